@@ -1,0 +1,7 @@
+"""`python -m seqcompile demo`."""
+
+import sys
+
+from seqcompile.cli import main
+
+sys.exit(main())

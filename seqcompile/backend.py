@@ -1,0 +1,199 @@
+"""The `seqfast` torch.compile backend: Dynamo's graph goes through six named stages,
+
+    capture -> normalize -> fuse -> differentiate -> plan_memory -> lower
+
+each a function below. AOTAutograd drives the last three: `differentiate` hands it `plan_memory` as
+the partitioner and `lower` as the forward, backward and inference compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.exc import ShortenTraceback
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx import GraphModule
+
+import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
+from seqcompile import capture as capture_mod
+from seqcompile.memory import estimate
+from seqcompile.memory.partition import choose_partitioner, partition
+from seqcompile.normalize import normalize_graph
+from seqcompile.options import OptionError, Options
+from seqcompile.patterns import builtin_patterns
+from seqcompile.patterns.engine import FuseContext, run_patterns
+from seqcompile.patterns.user import apply_user_patterns
+from seqcompile.report import CompileReport, MemoryPlan, publish
+
+log = logging.getLogger("seqcompile")
+_graph_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class GraphCompile:
+    """Everything one compile carries from stage to stage."""
+
+    name: str
+    options: Options
+    rest: str
+    example_inputs: Sequence[Any]
+    fake_mode: Any = None
+    fake_inputs: list[Any] = dataclasses.field(default_factory=list)
+    report: CompileReport = dataclasses.field(default_factory=CompileReport)
+    _dumped: int = 0
+
+    @property
+    def dump_dir(self) -> Path | None:
+        if self.options.dump_dir is None:
+            return None
+        path = Path(self.options.dump_dir) / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def dump(self, stage: str, gm: GraphModule) -> None:
+        """Write the graph after `stage` as readable Python, numbered in the order written."""
+        if self.dump_dir is not None:
+            text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+            (self.dump_dir / f"{self._dumped:02d}_{stage}.py").write_text(text)
+            self._dumped += 1
+
+    def write_report(self) -> None:
+        if self.dump_dir is not None:
+            kernels = self.dump_dir / "kernels"
+            kernels.mkdir(exist_ok=True)
+            for kernel in self.report.kernels:
+                (kernels / kernel.path.name).write_text(kernel.source)
+            (self.dump_dir / "report.txt").write_text(str(self.report))
+
+
+def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:
+    """Stage 1: pre-dispatch ATen under Dynamo's fake mode, symbolic sizes kept."""
+    state.fake_mode, state.fake_inputs = capture_mod.fake_inputs(state.example_inputs)
+    return capture_mod.trace_pre_dispatch(gm, state.fake_mode, state.fake_inputs)
+
+
+def normalize(gm: GraphModule, state: GraphCompile) -> GraphModule:
+    """Stage 2: one spelling per idea."""
+    fired = normalize_graph(gm, state.fake_mode)
+    log.debug("%s: normalization rules fired: %s", state.name, dict(fired))
+    return gm
+
+
+def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
+    """Stage 3: user patterns, then the built-in families, replace sub-graphs with seqfast ops and
+    render their kernels; refusals go to the report."""
+    apply_user_patterns(gm, state.fake_mode, state.fake_inputs, state.report)
+    training = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in state.example_inputs
+    )
+    ctx = FuseContext(gm, state.fake_mode, state.report, state.name, training)
+    run_patterns(builtin_patterns(), ctx)
+    return gm
+
+
+def differentiate(gm: GraphModule, state: GraphCompile) -> Callable[..., Any]:
+    """Stage 4: AOTAutograd traces forward and backward; fused ops enter both as opaque calls."""
+    decompositions = None
+    if state.rest == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
+    return aot_module_simplified(
+        gm,
+        state.example_inputs,
+        fw_compiler=functools.partial(lower, state=state, kind="forward"),
+        bw_compiler=functools.partial(lower, state=state, kind="backward"),
+        inference_compiler=functools.partial(lower, state=state, kind="inference"),
+        partition_fn=functools.partial(plan_memory, state=state),
+        decompositions=decompositions,
+    )
+
+
+def plan_memory(
+    joint: GraphModule,
+    joint_inputs: Any,
+    *,
+    state: GraphCompile,
+    num_fwd_outputs: int,
+    **kwargs: Any,
+) -> tuple[GraphModule, GraphModule]:
+    """Stage 5: split the joint graph; record what the forward keeps for the backward."""
+    state.dump("differentiate_joint", joint)
+    strategy = choose_partitioner(state.options.partition, state.rest)
+    forward, backward = partition(
+        joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
+    count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
+    state.report.memory.append(MemoryPlan(state.name, strategy, count, total, fused))
+    return forward, backward
+
+
+def lower(
+    gm: GraphModule, example_inputs: Sequence[Any], *, state: GraphCompile, kind: str
+) -> Callable[..., Any]:
+    """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
+    rest runs on the chosen executor."""
+    state.dump(f"lower_{kind}", gm)
+    if state.rest == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner(
+            gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
+        )
+    return make_boxed_func(gm.forward)
+
+
+STAGES = (capture, normalize, fuse)
+"""The graph-to-graph stages; `differentiate` then drives `plan_memory` and `lower`."""
+
+
+class _PassThroughOptionError(ShortenTraceback, OptionError):
+    """Dynamo wraps backend errors in BackendCompilerFailed, except ShortenTraceback ones: this
+    lets `torch.compile` callers catch a bad option as the ValueError it is."""
+
+
+def _default_rest(example_inputs: Sequence[Any]) -> str:
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return "inductor" if on_cuda else "eager"
+
+
+def seqfast(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The backend Dynamo calls (registered as "seqfast" through the `torch_dynamo_backends` entry
+    point). `options` come from `torch.compile(..., options=...)`; `mode` is accepted and unused."""
+    try:
+        opts = Options.resolve(options)
+    except OptionError as error:
+        raise _PassThroughOptionError(str(error), first_useful_frame=None) from None
+    if opts.log is not None:
+        log.setLevel(opts.log.upper())
+    if opts.disable:
+        return gm.forward
+    state = GraphCompile(
+        name=f"graph_{next(_graph_ids)}",
+        options=opts,
+        rest=opts.rest or _default_rest(example_inputs),
+        example_inputs=example_inputs,
+    )
+    state.dump("dynamo", gm)
+    for stage in STAGES:
+        gm = stage(gm, state)
+        state.dump(stage.__name__, gm)
+    compiled = differentiate(gm, state)
+    state.report.graphs.append(state.name)
+    state.write_report()
+    publish(state.report)
+    log.info("%s compiled:\n%s", state.name, state.report)
+    return compiled

@@ -1,0 +1,7 @@
+"""Triton source generation: templates rendered with a specialization key into content-hashed
+modules that are imported from disk."""
+
+from seqcompile.codegen.cache import KernelSource
+from seqcompile.codegen.render import KernelSpec, kernel_function, prepare_kernel
+
+__all__ = ["KernelSource", "KernelSpec", "kernel_function", "prepare_kernel"]

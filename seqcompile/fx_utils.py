@@ -1,0 +1,115 @@
+"""FX helpers shared by the stages: reading a node's fake value, inserting nodes whose fake value is
+computed on the spot, erasing what a rewrite left unused, and naming a site for the report."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+
+def val(node: Any) -> Any:
+    """The fake value recorded on `node` (None for non-nodes or nodes without one)."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument `name` of a call, whether it was passed by position or by keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Shapes provably equal, without adding guards on symbolic sizes."""
+    return a.dim() == b.dim() and all(
+        statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True)
+    )
+
+
+def is_row_vector(v: torch.Tensor | None, of: torch.Tensor) -> bool:
+    """`v` is 1-D with as many elements as the last dimension of `of`."""
+    return v is not None and v.dim() == 1 and statically_known_true(v.shape[0] == of.shape[-1])
+
+
+def insert_call(
+    graph: Graph,
+    fake_mode: Any,
+    target: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+) -> Node:
+    """Insert `target(*args, **kwargs)` at the graph's current insertion point, with its fake
+    value computed from the arguments' fake values."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, tuple(args), kwargs)
+    fake_args, fake_kwargs = tree_map(
+        lambda a: val(a) if isinstance(a, Node) else a, (args, kwargs)
+    )
+    with fake_mode:
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def insert_getitem(graph: Graph, node: Node, index: int) -> Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta.update(
+        {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    )
+    item.meta["val"] = val(node)[index]
+    return item
+
+
+def erase_unused(nodes: Iterable[Node]) -> None:
+    """Erase the given nodes that no longer have users, latest first."""
+    nodes = set(nodes)
+    if not nodes:
+        return
+    order = node_order(next(iter(nodes)).graph)
+    for node in sorted(nodes, key=order.__getitem__, reverse=True):
+        if not node.users and node.op != "placeholder":
+            node.graph.erase_node(node)
+
+
+def node_order(graph: Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def site_name(node: Node) -> str:
+    """A readable place for the report: the module path and source line that produced `node`."""
+    where = []
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        where.append(path.replace("L['self'].", "").replace("L['self']", "<model>"))
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+        files = [line for line in lines if line.startswith("File ")]
+        if files:
+            file_part = files[-1].split('"')
+            if len(file_part) >= 3:
+                line_no = file_part[2].split(",")[1].strip().removeprefix("line ")
+                where.append(f"{file_part[1].rsplit('/', 1)[-1]}:{line_no}")
+    return f"{node.name} ({', '.join(where)})" if where else node.name

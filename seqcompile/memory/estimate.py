@@ -1,0 +1,61 @@
+"""Byte counts of the values a partitioned forward graph keeps for its backward, evaluated at the
+sizes the graph was traced with."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from seqcompile.fx_utils import tensor_val
+
+
+def concrete(size: int | torch.SymInt) -> int:
+    """A symbolic size at the value it had when traced."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+
+
+def tensor_bytes(value: torch.Tensor) -> int:
+    return concrete(value.numel()) * value.element_size()
+
+
+def saved_values(forward: GraphModule, num_fwd_outputs: int) -> list[Node]:
+    """Forward outputs that only the backward reads (after the user-visible outputs)."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    return [n for n in output.args[0][num_fwd_outputs:] if isinstance(n, Node)]
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def is_fused_output(node: Node) -> bool:
+    while node.op == "call_function" and node.target in _ALIASES:
+        node = node.args[0]
+    source = node.args[0] if node.target is operator.getitem else node
+    target = getattr(source, "target", None)
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "seqfast"
+
+
+def kept_activation_bytes(forward: GraphModule, num_fwd_outputs: int) -> tuple[int, int, int]:
+    """(tensor count, bytes, bytes from fused ops) of the saved activations, leaving out graph
+    inputs such as parameters, and views of them, which live on regardless."""
+    inputs = {
+        StorageWeakRef(v.untyped_storage())
+        for n in forward.graph.nodes
+        if n.op == "placeholder" and (v := tensor_val(n)) is not None
+    }
+    count = total = fused = 0
+    for node in saved_values(forward, num_fwd_outputs):
+        value = tensor_val(node)
+        if value is None or StorageWeakRef(value.untyped_storage()) in inputs:
+            continue
+        size = tensor_bytes(value)
+        count, total = count + 1, total + size
+        if is_fused_output(node):
+            fused += size
+    return count, total, fused

@@ -1,0 +1,152 @@
+"""Stage 2, normalize: one spelling for each idea, so patterns state their math once.
+
+Each rule is a small named function from a node to its replacement (or None). The stage applies all
+rules until none fires and returns how often each fired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from numbers import Number
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from seqcompile.fx_utils import arg, erase_unused, insert_call, is_call, tensor_val
+
+aten = torch.ops.aten
+Rewrite = Callable[[Node, "RuleContext"], Node | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleContext:
+    gm: GraphModule
+    fake_mode: Any
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        return insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    rewrite: Rewrite
+
+
+def _drop_inactive_dropout(node: Node, ctx: RuleContext) -> Node | None:
+    """`dropout(x, p=0)` and `dropout(x, train=False)` are `x`."""
+    if is_call(node, aten.dropout.default):
+        p, train = arg(node, 1, "p"), arg(node, 2, "train")
+        if p == 0 or train is False:
+            return node.args[0]
+    return None
+
+
+def _cast_target(node: Node) -> torch.dtype | None:
+    """The dtype a pure dtype conversion converts to, whatever its spelling (None otherwise)."""
+    if is_call(node, aten.to.dtype):
+        if arg(node, 3, "copy", False) or arg(node, 4, "memory_format") is not None:
+            return None
+        return arg(node, 1, "dtype")
+    if is_call(node, aten._to_copy.default, aten.to.dtype_layout):
+        extra = {k: v for k, v in node.kwargs.items() if v is not None and k != "dtype"}
+        if len(node.args) > 1 or set(extra) - {"layout", "device", "non_blocking"}:
+            return None
+        src = tensor_val(node.args[0])
+        if src is None or extra.get("device", src.device) != src.device:
+            return None
+        if extra.get("layout", torch.strided) != torch.strided:
+            return None
+        return node.kwargs.get("dtype")
+    if is_call(node, aten.type_as.default):
+        other = tensor_val(node.args[1])
+        return other.dtype if other is not None else None
+    return None
+
+
+def _one_cast_spelling(node: Node, ctx: RuleContext) -> Node | None:
+    """Every dtype conversion becomes `aten.to.dtype`; one to the dtype it already has vanishes."""
+    dtype = _cast_target(node)
+    src = tensor_val(node.args[0]) if isinstance(node.args[0], Node) else None
+    if dtype is None or src is None:
+        return None
+    if src.dtype == dtype:
+        return node.args[0]
+    if node.target is aten.to.dtype and len(node.args) == 2 and not node.kwargs:
+        return None
+    return ctx.call(aten.to.dtype, node.args[0], dtype)
+
+
+def _div_by_constant(node: Node, ctx: RuleContext) -> Node | None:
+    """`x / c` becomes `x * (1 / c)` for a nonzero number `c`."""
+    if is_call(node, aten.div.Tensor, aten.div.Scalar) and len(node.args) == 2 and not node.kwargs:
+        x, c = node.args
+        value = tensor_val(x)
+        if isinstance(c, Number) and not isinstance(c, bool) and c != 0 and value is not None:
+            if value.is_floating_point():
+                return ctx.call(aten.mul.Tensor, x, 1.0 / c)
+    return None
+
+
+def _square_as_pow(node: Node, ctx: RuleContext) -> Node | None:
+    """`square(x)` and `x * x` become `pow(x, 2)`."""
+    if is_call(node, aten.square.default):
+        return ctx.call(aten.pow.Tensor_Scalar, node.args[0], 2)
+    if is_call(node, aten.mul.Tensor) and len(node.args) == 2 and node.args[0] is node.args[1]:
+        return ctx.call(aten.pow.Tensor_Scalar, node.args[0], 2)
+    if is_call(node, aten.pow.Tensor_Scalar) and node.args[1] == 2 and type(node.args[1]) is float:
+        return ctx.call(aten.pow.Tensor_Scalar, node.args[0], 2)
+    return None
+
+
+def _rsqrt_spellings(node: Node, ctx: RuleContext) -> Node | None:
+    """`a / sqrt(b)` becomes `a * rsqrt(b)`; `1 / sqrt(b)` and `b ** -0.5` become `rsqrt(b)`."""
+    if is_call(node, aten.div.Tensor) and is_call(node.args[1], aten.sqrt.default):
+        rsqrt = ctx.call(aten.rsqrt.default, node.args[1].args[0])
+        if isinstance(node.args[0], Node):
+            return ctx.call(aten.mul.Tensor, node.args[0], rsqrt)
+        if node.args[0] == 1:
+            return rsqrt
+    if is_call(node, aten.reciprocal.default) and is_call(node.args[0], aten.sqrt.default):
+        return ctx.call(aten.rsqrt.default, node.args[0].args[0])
+    if is_call(node, aten.pow.Tensor_Scalar) and node.args[1] == -0.5:
+        return ctx.call(aten.rsqrt.default, node.args[0])
+    return None
+
+
+RULES: list[Rule] = [
+    Rule("drop_inactive_dropout", _drop_inactive_dropout),
+    Rule("one_cast_spelling", _one_cast_spelling),
+    Rule("div_by_constant", _div_by_constant),
+    Rule("square_as_pow", _square_as_pow),
+    Rule("rsqrt_spellings", _rsqrt_spellings),
+]
+
+
+def normalize_graph(gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES) -> Counter[str]:
+    """Apply `rules` until none fires; returns how many times each one fired."""
+    ctx = RuleContext(gm, fake_mode)
+    fired: Counter[str] = Counter()
+    changed = True
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function":
+                continue
+            for rule in rules:
+                with gm.graph.inserting_before(node):
+                    replacement = rule.rewrite(node, ctx)
+                if replacement is None:
+                    continue
+                node.replace_all_uses_with(replacement)
+                erase_unused([node])
+                fired[rule.name] += 1
+                changed = True
+                break
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return fired

@@ -1,0 +1,417 @@
+"""The fused residual + normalization operator `seqfast::add_norm` and its backward
+`seqfast::add_norm_backward`: schema, fake and reference implementations, kernel launch, autograd.
+
+With every input but `x` optional, the forward computes
+
+    sum = residual + dropout(x + branch_bias, p)        rounded to `sum_dtype`
+    out = norm(sum) * weight + bias                      LayerNorm or RMSNorm over the last dim
+
+and returns `(out, sum, mean, rstd)`. `sum` is empty when there is nothing to add (the norm reads
+`x` itself); `mean` is empty for RMSNorm. The backward saves the sum (or `x`) and the per-row
+statistics, and regenerates the dropout mask from the seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from seqcompile import runtime
+from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.ops.random import keep_mask
+
+Tensor = torch.Tensor
+MAX_WIDTH = 16384
+"""Widest normalized dimension the kernels take: a whole row lives in registers."""
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def has_prologue(residual: Tensor | None, branch_bias: Tensor | None, p: float) -> bool:
+    return residual is not None or branch_bias is not None or p > 0
+
+
+def forward_spec(
+    *, residual: bool, branch_bias: bool, dropout: bool, rms: bool, weight: bool, bias: bool
+) -> KernelSpec:
+    return KernelSpec.of(
+        "add_norm_fwd",
+        residual=residual,
+        branch_bias=branch_bias,
+        dropout=dropout,
+        rms=rms,
+        weight=weight,
+        bias=bias,
+        write_sum=residual or branch_bias or dropout,
+    )
+
+
+def backward_specs(
+    *,
+    sum_grad: bool,
+    residual_grad: bool,
+    dropout: bool,
+    rms: bool,
+    weight: bool,
+    bias: bool,
+    branch_bias: bool,
+) -> list[KernelSpec]:
+    partials = [
+        name
+        for name, present in (("weight", weight), ("bias", bias), ("branch_bias", branch_bias))
+        if present
+    ]
+    specs = [
+        KernelSpec.of(
+            "add_norm_bwd",
+            sum_grad=sum_grad,
+            residual_grad=residual_grad,
+            dropout=dropout,
+            rms=rms,
+            weight=weight,
+            partials=tuple(partials),
+        )
+    ]
+    if partials:
+        specs.append(COLUMN_SUM)
+    return specs
+
+
+COLUMN_SUM = KernelSpec.of("column_sum")
+
+
+def needs_residual_grad(p: float, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> bool:
+    """Whether the residual's gradient differs from the branch's (otherwise one tensor serves)."""
+    return p > 0 or x_dtype != residual_dtype
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+
+
+@torch.library.custom_op("seqfast::add_norm", mutates_args=())
+def add_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    branch_bias: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    eps: float,
+    rms: bool,
+    out_dtype: torch.dtype,
+    sum_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if p > 0 and seed is None:
+        raise ValueError("seqfast::add_norm: dropout p > 0 needs a seed tensor")
+    if runtime.use_kernels(x):
+        return _forward_kernels(
+            x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
+        )
+    return _forward_reference(
+        x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
+    )
+
+
+@add_norm.register_fake
+def _(x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype):
+    out = x.new_empty(x.shape, dtype=out_dtype)
+    if has_prologue(residual, branch_bias, p):
+        total = x.new_empty(x.shape, dtype=sum_dtype)
+    else:
+        total = x.new_empty((0,), dtype=sum_dtype)
+    rows = x.shape[:-1]
+    mean = x.new_empty((0,) if rms else rows, dtype=torch.float32)
+    return out, total, mean, x.new_empty(rows, dtype=torch.float32)
+
+
+def reference_sum(
+    x: Tensor,
+    residual: Tensor | None,
+    branch_bias: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    sum_dtype: torch.dtype,
+) -> Tensor:
+    s = x.float()
+    if branch_bias is not None:
+        s = s + branch_bias.float()
+    if p > 0:
+        s = torch.where(keep_mask(seed, x.shape, stream, p), s / (1.0 - p), 0.0)
+    if residual is not None:
+        s = s + residual.float()
+    return s.to(sum_dtype)
+
+
+def _normalize_reference(s: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (xhat, mean, rstd) of the float32 rows of `s`; `mean` is empty for RMSNorm."""
+    if rms:
+        rstd = torch.rsqrt(s.square().mean(-1) + eps)
+        return s * rstd.unsqueeze(-1), s.new_empty((0,)), rstd
+    mean = s.mean(-1)
+    centered = s - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centered.square().mean(-1) + eps)
+    return centered * rstd.unsqueeze(-1), mean, rstd
+
+
+def _forward_reference(
+    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
+):
+    if has_prologue(residual, branch_bias, p):
+        total = reference_sum(x, residual, branch_bias, seed, stream, p, sum_dtype)
+        normalized = total
+    else:
+        total, normalized = x.new_empty((0,), dtype=sum_dtype), x
+    y, mean, rstd = _normalize_reference(normalized.float(), eps, rms)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype), total, mean, rstd
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _num_warps(block_n: int) -> int:
+    return min(max(block_n // 256, 1), 16)
+
+
+def _forward_kernels(
+    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
+):
+    n = x.shape[-1]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    prologue = has_prologue(residual, branch_bias, p)
+    out = runtime.empty((m, n), out_dtype, x.device)
+    total = runtime.empty((m, n) if prologue else (0,), sum_dtype, x.device)
+    mean = runtime.empty((0,) if rms else (m,), torch.float32, x.device)
+    rstd = runtime.empty((m,), torch.float32, x.device)
+    if m > 0:
+        spec = forward_spec(
+            residual=residual is not None,
+            branch_bias=branch_bias is not None,
+            dropout=p > 0,
+            rms=rms,
+            weight=weight is not None,
+            bias=bias is not None,
+        )
+        optional = (
+            _rows(residual) if residual is not None else None,
+            branch_bias.contiguous() if branch_bias is not None else None,
+            weight.contiguous() if weight is not None else None,
+            bias.contiguous() if bias is not None else None,
+            seed if p > 0 else None,
+        )
+        outputs = (out, total if prologue else None, None if rms else mean, rstd)
+        scalars = (n, eps) + ((p, stream) if p > 0 else ())
+        block_n = triton.next_power_of_2(n)
+        kernel_function(spec)[(m,)](
+            x2,
+            *(t for t in optional if t is not None),
+            *(t for t in outputs if t is not None),
+            *scalars,
+            BLOCK_N=block_n,
+            num_warps=_num_warps(block_n),
+        )
+    rows = x.shape[:-1]
+    return (
+        out.view(x.shape),
+        total.view(x.shape) if prologue else total,
+        mean if rms else mean.view(rows),
+        rstd.view(rows),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+
+
+@torch.library.custom_op("seqfast::add_norm_backward", mutates_args=())
+def add_norm_backward(
+    grad_out: Tensor,
+    grad_sum: Tensor | None,
+    saved: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    rms: bool,
+    x_dtype: torch.dtype,
+    residual_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
+    branch_bias_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, dresidual, dweight, dbias, dbranch_bias); absent ones are empty. `dresidual` is
+    empty also when it would equal `dx` (no dropout, same dtype)."""
+    impl = _backward_kernels if runtime.use_kernels(saved) else _backward_reference
+    return impl(
+        grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+        residual_dtype, bias_dtype, branch_bias_dtype,
+    )  # fmt: skip
+
+
+def _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p):
+    """(shape, dtype) of each output of the backward; shape (0,) marks an absent one."""
+    n = saved.shape[-1]
+    residual_grad = residual_dtype is not None and needs_residual_grad(p, x_dtype, residual_dtype)
+    return (
+        (saved.shape, x_dtype),
+        (saved.shape if residual_grad else (0,), residual_dtype or x_dtype),
+        ((n,), weight.dtype) if weight is not None else ((0,), x_dtype),
+        ((n,), bias_dtype) if bias_dtype is not None else ((0,), x_dtype),
+        ((n,), branch_bias_dtype) if branch_bias_dtype is not None else ((0,), x_dtype),
+    )
+
+
+@add_norm_backward.register_fake
+def _(grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+      residual_dtype, bias_dtype, branch_bias_dtype):  # fmt: skip
+    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    return tuple(saved.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
+
+
+def _backward_reference(
+    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+    residual_dtype, bias_dtype, branch_bias_dtype,
+):  # fmt: skip
+    s = saved.float()
+    mean = mean.unsqueeze(-1) if not rms else None
+    rstd = rstd.unsqueeze(-1)
+    xhat = s * rstd if rms else (s - mean) * rstd
+    dy = grad_out.float()
+    g = dy * weight.float() if weight is not None else dy
+    ds = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not rms:
+        ds = ds - g.mean(-1, keepdim=True)
+    ds = ds * rstd
+    if grad_sum is not None:
+        ds = ds + grad_sum.float()
+    dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
+    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    rows = tuple(range(s.dim() - 1))
+    values = (dx, ds, (dy * xhat).sum(rows), dy.sum(rows), dx.sum(rows))
+    return tuple(
+        v.to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)
+        for v, (shape, dtype) in zip(values, shapes, strict=True)
+    )
+
+
+def _backward_kernels(
+    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+    residual_dtype, bias_dtype, branch_bias_dtype,
+):  # fmt: skip
+    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    dx, dres, dweight, dbias, dbranch_bias = (
+        runtime.empty(tuple(shape), dtype, saved.device) for shape, dtype in shapes
+    )
+    params = [t for t in (dweight, dbias, dbranch_bias) if t.numel() > 0]
+    n = saved.shape[-1]
+    s2 = _rows(saved)
+    m = s2.shape[0]
+    if m == 0:
+        for t in params:
+            t.zero_()
+        return dx, dres, dweight, dbias, dbranch_bias
+    residual_grad = dres.numel() > 0
+    programs = min(m, runtime.program_cap(saved))
+    partial = runtime.empty((len(params), programs, n), torch.float32, saved.device)
+    specs = backward_specs(
+        sum_grad=grad_sum is not None,
+        residual_grad=residual_grad,
+        dropout=p > 0,
+        rms=rms,
+        weight=weight is not None,
+        bias=bias_dtype is not None,
+        branch_bias=branch_bias_dtype is not None,
+    )
+    optional_inputs = (
+        _rows(grad_sum) if grad_sum is not None else None,
+        s2,
+        None if rms else mean.reshape(-1),
+        rstd.reshape(-1),
+        weight.contiguous() if weight is not None else None,
+        seed if p > 0 else None,
+    )
+    outputs = (
+        dx.view(m, n),
+        dres.view(m, n) if residual_grad else None,
+        partial if params else None,
+    )
+    block_n = triton.next_power_of_2(n)
+    kernel_function(specs[0])[(programs,)](
+        _rows(grad_out),
+        *(t for t in optional_inputs if t is not None),
+        *(t for t in outputs if t is not None),
+        m,
+        n,
+        *((p, stream) if p > 0 else ()),
+        BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
+    )
+    if params:
+        sums = runtime.empty((len(params), n), torch.float32, saved.device)
+        column_block = min(block_n, 256)
+        kernel_function(COLUMN_SUM)[(triton.cdiv(n, column_block), len(params))](
+            partial, sums, programs, n, BLOCK_G=16, BLOCK_N=column_block
+        )
+        for t, row in zip(params, sums, strict=True):
+            t.copy_(row)
+    return dx, dres, dweight, dbias, dbranch_bias
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, branch_bias, weight, bias, seed, stream, p, _eps, rms, _out, _sum_dtype = inputs
+    _out_tensor, total, mean, rstd = output
+    prologue = has_prologue(residual, branch_bias, p)
+    ctx.mark_non_differentiable(mean, rstd)
+    if not prologue:
+        ctx.mark_non_differentiable(total)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(total if prologue else x, mean, rstd, weight, seed)
+    ctx.config = (
+        stream,
+        p,
+        rms,
+        x.dtype,
+        residual.dtype if residual is not None else None,
+        bias.dtype if bias is not None else None,
+        branch_bias.dtype if branch_bias is not None else None,
+    )
+
+
+def _backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
+    saved, mean, rstd, weight, seed = ctx.saved_tensors
+    stream, p, rms, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype = ctx.config
+    if grad_out is None and grad_sum is None:
+        return (None,) * 12
+    if grad_out is None:
+        grad_out = torch.zeros_like(saved)
+    dx, dres, dweight, dbias, dbranch_bias = torch.ops.seqfast.add_norm_backward(
+        grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+        residual_dtype, bias_dtype, branch_bias_dtype,
+    )  # fmt: skip
+    if residual_dtype is None:
+        dresidual = None
+    else:
+        dresidual = dres if needs_residual_grad(p, x_dtype, residual_dtype) else dx
+    return (
+        dx,
+        dresidual,
+        dbranch_bias if branch_bias_dtype is not None else None,
+        dweight if weight is not None else None,
+        dbias if bias_dtype is not None else None,
+    ) + (None,) * 7
+
+
+add_norm.register_autograd(_backward, setup_context=_setup_context)

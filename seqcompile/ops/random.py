@@ -1,0 +1,42 @@
+"""Dropout randomness shared by fused operators: a per-graph int64 seed tensor and the reference
+Philox4x32-10 generator, bit-identical to `philox_uniform` in the kernel templates, so the reference
+implementation and the kernels drop the same elements."""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+SEED_HIGH = 2**62
+"""Seeds are drawn from [0, SEED_HIGH) by `torch.randint`, so torch's generator governs them."""
+
+
+def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # const * x for a 32-bit constant and 32-bit values held in int64, split into 32-bit halves
+    # without overflowing int64: multiply by the constant's 16-bit halves separately.
+    low_part = (const & 0xFFFF) * x
+    t = (const >> 16) * x + (low_part >> 16)
+    return t >> 16, ((t & 0xFFFF) << 16) | (low_part & 0xFFFF)
+
+
+def philox_uniform(seed: torch.Tensor, offsets: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform float32 numbers in [0, 1), one per element of the int64 tensor `offsets`."""
+    seed = seed.to(torch.int64)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    c0, c1 = offsets & _M32, (offsets >> 32) & _M32
+    c2 = torch.full_like(offsets, stream & _M32)
+    c3 = torch.zeros_like(offsets)
+    for _ in range(10):
+        hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
+        hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return (c0 >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def keep_mask(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> torch.Tensor:
+    """Which elements of a contiguous tensor of `shape` dropout keeps (offset = flat index)."""
+    offsets = torch.arange(shape.numel(), device=seed.device, dtype=torch.int64).view(shape)
+    return philox_uniform(seed, offsets, stream) >= p

@@ -1,0 +1,115 @@
+"""The fuse stage's machinery: a pattern looks at one anchor node and answers with a rewrite, a
+`Reject` (recognized, but the kernel cannot take it, and why), or None (not its anchor). The engine
+runs the patterns over a graph, applies rewrites, and records counts and refusals in the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.fx import GraphModule, Node
+
+from seqcompile.codegen import KernelSpec, prepare_kernel
+from seqcompile.fx_utils import insert_call, site_name
+from seqcompile.ops.random import SEED_HIGH
+from seqcompile.report import CompileReport, Missed
+
+aten = torch.ops.aten
+
+
+class Reject:
+    """A refusal with a reason built only when someone reads it."""
+
+    def __init__(self, template: str, *args: Any) -> None:
+        self.template, self.args = template, args
+
+    @property
+    def reason(self) -> str:
+        return self.template.format(*self.args)
+
+    def __repr__(self) -> str:
+        return f"Reject({self.reason!r})"
+
+
+Rewrite = Callable[["FuseContext"], Node]
+"""Applies a match to the graph and returns the fused node."""
+
+
+class Pattern(Protocol):
+    family: str
+    """Key under which the report counts this pattern's sites."""
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None: ...
+
+
+@dataclasses.dataclass
+class FuseContext:
+    """What a rewrite may use: the graph, its fake mode, the report, and the per-graph seed."""
+
+    gm: GraphModule
+    fake_mode: Any
+    report: CompileReport
+    graph_name: str
+    training: bool
+    """Whether AOTAutograd will build a backward (so backward kernels are rendered too)."""
+    site: Node | None = None
+    """The anchor being rewritten; new nodes inherit its source location."""
+    _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
+    _streams: int = 0
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        node = insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
+        if self.site is not None:
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in self.site.meta:
+                    node.meta[key] = self.site.meta[key]
+        return node
+
+    def seed(self, device: torch.device) -> Node:
+        """The graph's seed tensor on `device`, drawn once per run from torch's generator."""
+        if device not in self._seeds:
+            placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+            anchor = placeholders[-1] if placeholders else None
+            where = (
+                self.gm.graph.inserting_after(anchor)
+                if anchor is not None
+                else self.gm.graph.inserting_before(next(iter(self.gm.graph.nodes)))
+            )
+            with where:
+                self._seeds[device] = self.call(
+                    aten.randint.low, 0, SEED_HIGH, [], dtype=torch.int64, device=device
+                )
+        return self._seeds[device]
+
+    def next_stream(self) -> int:
+        """A distinct random stream per dropout site, so sites sharing the seed differ."""
+        self._streams += 1
+        return self._streams
+
+    def kernels(self, specs: list[KernelSpec], site: str) -> None:
+        for spec in specs:
+            self.report.add_kernel(prepare_kernel(spec, f"{site} in {self.graph_name}"))
+
+
+def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
+    """Try every pattern at every node, in graph order; the first pattern that answers wins."""
+    for node in list(ctx.gm.graph.nodes):
+        if node.op != "call_function" or getattr(node, "_erased", False):
+            continue
+        for pattern in patterns:
+            found = pattern.find(node, ctx)
+            if found is None:
+                continue
+            if isinstance(found, Reject):
+                ctx.report.missed.append(Missed(site_name(node), pattern.family, found.reason))
+            else:
+                ctx.site = node
+                with ctx.gm.graph.inserting_before(node):
+                    found(ctx)
+                ctx.site = None
+                ctx.report.counts[pattern.family] += 1
+            break
+    ctx.gm.graph.lint()
+    ctx.gm.recompile()

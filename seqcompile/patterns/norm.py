@@ -1,0 +1,330 @@
+"""The residual + normalization family: `norm(residual + dropout(x + bias))` in any of its spellings
+becomes one `seqfast::add_norm`.
+
+A match composes independent readers: a *core* (aten `layer_norm`, aten `rms_norm`, or RMSNorm
+written out as T5 and LLaMA do) and a *prologue* on the core's input (a residual add, dropout on
+the branch, a bias on the branch, including a linear's own bias). When the sum also feeds other
+nodes (pre-LN blocks), the fused op's second output replaces it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx import Node
+
+from seqcompile.fx_utils import (
+    arg,
+    erase_unused,
+    insert_getitem,
+    is_call,
+    is_row_vector,
+    node_order,
+    only_user,
+    same_shape,
+    site_name,
+    tensor_val,
+)
+from seqcompile.ops import norm as norm_op
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+
+aten = torch.ops.aten
+FAMILY = "norm"
+
+
+@dataclasses.dataclass
+class Core:
+    """The normalization itself: `out = norm(input) * weight + bias`."""
+
+    out: Node
+    input: Node
+    weight: Node | None
+    bias: Node | None
+    eps: float | None
+    rms: bool
+    nodes: list[Node]
+    """Nodes of the spelled-out form that the fused op replaces (besides `out`)."""
+
+
+@dataclasses.dataclass
+class Prologue:
+    """What is added up before normalizing: `residual + dropout(x + branch_bias, p)`."""
+
+    x: Node
+    residual: Node | None = None
+    branch_bias: Node | None = None
+    p: float = 0.0
+    total: Node | None = None
+    """The residual add, whose other readers get the fused op's sum output."""
+    linear: Node | None = None
+    """A linear whose bias becomes `branch_bias`; it is rebuilt without one."""
+    nodes: list[Node] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# cores
+
+
+def _last_dims(node: Node, normalized_shape: list) -> Reject | None:
+    if len(normalized_shape) != 1:
+        return Reject(
+            "normalizes over the last {} dimensions; the kernel normalizes over the last one only",
+            len(normalized_shape),
+        )
+    return None
+
+
+def _layer_norm_core(node: Node) -> Core | Reject | None:
+    if not is_call(node, aten.layer_norm.default):
+        return None
+    shape = arg(node, 1, "normalized_shape")
+    weight, bias = arg(node, 2, "weight"), arg(node, 3, "bias")
+    return _last_dims(node, shape) or Core(
+        node, node.args[0], weight, bias, arg(node, 4, "eps", 1e-5), False, []
+    )
+
+
+def _rms_norm_core(node: Node) -> Core | Reject | None:
+    if not is_call(node, aten.rms_norm.default):
+        return None
+    shape = arg(node, 1, "normalized_shape")
+    weight, eps = arg(node, 2, "weight"), arg(node, 3, "eps")
+    return _last_dims(node, shape) or Core(node, node.args[0], weight, None, eps, True, [])
+
+
+def _strip_cast(node: object) -> object:
+    return node.args[0] if is_call(node, aten.to.dtype) else node
+
+
+def _is_last_dim(dims: object, ndim: int) -> bool:
+    return isinstance(dims, list | tuple) and len(dims) == 1 and dims[0] in (-1, ndim - 1)
+
+
+def _handwritten_rms_core(node: Node) -> Core | Reject | None:
+    """`h * rsqrt(mean(h.float() ** 2, -1, keepdim=True) + eps)`, optionally followed by a cast
+    and a multiply by a weight vector (in either order of operands)."""
+    if not is_call(node, aten.mul.Tensor) or len(node.args) != 2:
+        return None
+    rsqrt = next((a for a in node.args if is_call(a, aten.rsqrt.default)), None)
+    if rsqrt is None:
+        return None
+    h = node.args[0] if node.args[1] is rsqrt else node.args[1]
+    add = rsqrt.args[0]
+    if not is_call(add, aten.add.Tensor) or arg(add, 2, "alpha", 1) != 1:
+        return None
+    mean, eps = add.args if isinstance(add.args[1], float | int) else add.args[::-1]
+    if not is_call(mean, aten.mean.dim) or not isinstance(eps, float | int):
+        return None
+    square = mean.args[0]
+    if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
+        return None
+    if _strip_cast(square.args[0]) is not _strip_cast(h):
+        return None
+    value = tensor_val(h)
+    dims, keepdim = arg(mean, 1, "dim"), arg(mean, 2, "keepdim", False)
+    if value is None or not keepdim:
+        return None
+    if not _is_last_dim(dims, value.dim()):
+        return Reject("RMSNorm written out averages over dims {}; the kernel takes the last", dims)
+    casts = [n for n in (square.args[0], h) if n is not _strip_cast(h)]
+    core = Core(
+        node, _strip_cast(h), None, None, float(eps), True, [add, mean, square, rsqrt, *casts]
+    )
+    # An affine epilogue: an optional cast, then a multiply by a weight over the last dim.
+    follower, cast = only_user(node), None
+    if is_call(follower, aten.to.dtype):
+        follower, cast = only_user(follower), follower
+    if is_call(follower, aten.mul.Tensor) and len(follower.args) == 2:
+        scaled = cast or node
+        other = follower.args[1] if follower.args[0] is scaled else follower.args[0]
+        if is_row_vector(tensor_val(other), value):
+            core.nodes += [node] + ([cast] if cast is not None else [])
+            core.out, core.weight = follower, other
+    return core
+
+
+CORES = (_layer_norm_core, _rms_norm_core, _handwritten_rms_core)
+
+
+# ---------------------------------------------------------------------------------------------
+# prologue
+
+
+def _foldable_dropout(node: Node) -> bool:
+    return is_call(node, aten.dropout.default) and len(node.users) == 1
+
+
+def _foldable_bias(node: Node) -> bool:
+    if len(node.users) != 1:
+        return False
+    if is_call(node, aten.linear.default):
+        return arg(node, 2, "bias") is not None
+    return _bias_operands(node) is not None
+
+
+def _bias_operands(node: Node) -> tuple[Node, Node] | None:
+    """(input, bias) of `input + bias` with `bias` a vector over the last dim of `input`."""
+    if not is_call(node, aten.add.Tensor) or arg(node, 2, "alpha", 1) != 1:
+        return None
+    out = tensor_val(node)
+    for a, b in (node.args[:2], node.args[1::-1]):
+        av = tensor_val(a)
+        if av is not None and same_shape(av, out) and is_row_vector(tensor_val(b), out):
+            return a, b
+    return None
+
+
+def _read_prologue(z: Node) -> Prologue:
+    value = tensor_val(z)
+    if not is_call(z, aten.add.Tensor) or arg(z, 2, "alpha", 1) != 1:
+        return Prologue(z)
+    a, b = z.args[:2]
+    av, bv = tensor_val(a), tensor_val(b)
+    if av is None or bv is None or not (same_shape(av, value) and same_shape(bv, value)):
+        return Prologue(z)
+
+    def score(n: Node) -> int:
+        return 2 if _foldable_dropout(n) else 1 if _foldable_bias(n) else 0
+
+    residual, x = (b, a) if score(a) > score(b) else (a, b)
+    prologue = Prologue(x, residual=residual, total=z)
+    if _foldable_dropout(x):
+        prologue.p = float(arg(x, 1, "p"))
+        prologue.nodes.append(x)
+        prologue.x = x = x.args[0]
+    if _foldable_bias(x):
+        if is_call(x, aten.linear.default):
+            prologue.linear, prologue.branch_bias = x, arg(x, 2, "bias")
+        else:
+            prologue.x, prologue.branch_bias = _bias_operands(x)
+            prologue.nodes.append(x)
+    return prologue
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and rewrite
+
+
+def _check(core: Core, prologue: Prologue) -> Reject | None:
+    value = tensor_val(core.out)
+    width = value.shape[-1]
+    if not isinstance(width, int):
+        return Reject("normalized width {} is dynamic; the kernel needs it fixed", width)
+    if width > norm_op.MAX_WIDTH:
+        return Reject(
+            "normalized width {} > {}, the widest row the kernel keeps in registers",
+            width,
+            norm_op.MAX_WIDTH,
+        )
+    tensors = [core.out, core.input, core.weight, core.bias, prologue.x, prologue.residual]
+    tensors.append(prologue.branch_bias)
+    for node in tensors:
+        v = tensor_val(node)
+        if v is not None and v.dtype not in norm_op.DTYPES:
+            return Reject("dtype {} is not supported (float32, float16, bfloat16)", v.dtype)
+        if v is not None and v.device.type not in ("cpu", "cuda"):
+            return Reject("device {} has neither kernels nor a reference here", v.device)
+    if prologue.p >= 1:
+        return Reject("dropout p={} drops every element", prologue.p)
+    return None
+
+
+def _other_readers(core: Core, prologue: Prologue) -> list[Node]:
+    """Readers of the residual sum outside the normalization (the next block's residual add)."""
+    if prologue.total is None:
+        return []
+    return [u for u in prologue.total.users if u is not core.out and u not in core.nodes]
+
+
+def _insertion_point(core: Core, readers: list[Node]) -> Node:
+    order = node_order(core.out.graph)
+    return min([core.out, *readers], key=order.__getitem__)
+
+
+def _inputs_precede(core: Core, readers: list[Node]) -> bool:
+    """The fused op goes before the first reader of its outputs; its parameters must exist there
+    (they could be computed after another reader of the sum)."""
+    order = node_order(core.out.graph)
+    point = order[_insertion_point(core, readers)]
+    return all(order[n] < point for n in (core.weight, core.bias) if isinstance(n, Node))
+
+
+def _rewrite(core: Core, prologue: Prologue, site: str) -> Rewrite:
+    def apply(ctx: FuseContext) -> Node:
+        graph = ctx.gm.graph
+        out_val = tensor_val(core.out)
+        readers = _other_readers(core, prologue)
+        with graph.inserting_before(_insertion_point(core, readers)):
+            x = prologue.x
+            if prologue.linear is not None:
+                x = ctx.call(aten.linear.default, *prologue.linear.args[:2])
+            seed = ctx.seed(out_val.device) if prologue.p > 0 else None
+            stream = ctx.next_stream() if prologue.p > 0 else 0
+            sum_dtype = tensor_val(prologue.total or core.input).dtype
+            eps = core.eps if core.eps is not None else torch.finfo(torch.float32).eps
+            fused = ctx.call(
+                torch.ops.seqfast.add_norm.default,
+                x, prologue.residual, prologue.branch_bias, core.weight, core.bias, seed, stream,
+                prologue.p, eps, core.rms, out_val.dtype, sum_dtype,
+            )  # fmt: skip
+            out = insert_getitem(graph, fused, 0)
+            total = insert_getitem(graph, fused, 1) if readers else None
+        core.out.replace_all_uses_with(out)
+        for reader in readers:
+            reader.replace_input_with(prologue.total, total)
+        erase_unused(
+            [core.out, *core.nodes, *prologue.nodes]
+            + [n for n in (prologue.total, prologue.linear) if n is not None]
+        )
+        _prepare_kernels(ctx, core, prologue, fused, bool(readers), site)
+        return fused
+
+    return apply
+
+
+def _prepare_kernels(
+    ctx: FuseContext, core: Core, prologue: Prologue, fused: Node, sum_read: bool, site: str
+) -> None:
+    flags = dict(
+        dropout=prologue.p > 0,
+        rms=core.rms,
+        weight=core.weight is not None,
+        bias=core.bias is not None,
+    )
+    specs = [
+        norm_op.forward_spec(
+            residual=prologue.residual is not None,
+            branch_bias=prologue.branch_bias is not None,
+            **flags,
+        )
+    ]
+    if ctx.training:
+        x_dtype = tensor_val(fused.args[0]).dtype
+        residual = tensor_val(prologue.residual)
+        specs += norm_op.backward_specs(
+            sum_grad=sum_read,
+            residual_grad=residual is not None
+            and norm_op.needs_residual_grad(prologue.p, x_dtype, residual.dtype),
+            branch_bias=prologue.branch_bias is not None,
+            **flags,
+        )
+    ctx.kernels(specs, site)
+
+
+class NormPattern:
+    family = FAMILY
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        for read_core in CORES:
+            core = read_core(node)
+            if core is None:
+                continue
+            if isinstance(core, Reject):
+                return core
+            prologue = _read_prologue(core.input)
+            if not _inputs_precede(core, _other_readers(core, prologue)):
+                prologue = Prologue(core.input)
+            rejected = _check(core, prologue)
+            return rejected or _rewrite(core, prologue, site_name(node))
+        return None

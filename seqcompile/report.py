@@ -1,0 +1,101 @@
+"""CompileReport: what a compile fused (per family), what it recognized but refused and why, the
+kernels it generated, and what the backward keeps in memory. `str(report)` is a readable table."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from seqcompile.codegen import KernelSource
+
+
+@dataclasses.dataclass(frozen=True)
+class Missed:
+    """A site a pattern recognized but did not fuse."""
+
+    site: str
+    pattern: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What one training graph's forward keeps for its backward, at the traced sizes."""
+
+    graph: str
+    partitioner: str
+    saved_tensors: int
+    saved_bytes: int
+    fused_op_bytes: int
+    """Part of `saved_bytes` produced by fused operators (their sums and row statistics)."""
+
+
+@dataclasses.dataclass
+class CompileReport:
+    counts: Counter[str] = dataclasses.field(default_factory=Counter)
+    missed: list[Missed] = dataclasses.field(default_factory=list)
+    kernels: list[KernelSource] = dataclasses.field(default_factory=list)
+    memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
+    graphs: list[str] = dataclasses.field(default_factory=list)
+
+    def add_kernel(self, kernel: KernelSource) -> None:
+        if kernel not in self.kernels:
+            self.kernels.append(kernel)
+
+    def merge(self, other: CompileReport) -> None:
+        self.counts.update(other.counts)
+        self.missed.extend(other.missed)
+        for kernel in other.kernels:
+            self.add_kernel(kernel)
+        self.memory.extend(other.memory)
+        self.graphs.extend(other.graphs)
+
+    def __str__(self) -> str:
+        lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
+        if self.counts:
+            width = max(len(name) for name in self.counts)
+            lines += [f"  {name:<{width}}  {n}" for name, n in sorted(self.counts.items())]
+        else:
+            lines.append("  (none)")
+        lines += ["", "recognized but not fused:"]
+        lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
+        lines += ["", "generated kernels:"]
+        lines += [f"  {k.name}  ({k.path})" for k in self.kernels] or ["  (none)"]
+        lines += ["", "memory kept for the backward (at traced sizes):"]
+        lines += [
+            f"  {m.graph}: {m.saved_tensors} tensors, {_size(m.saved_bytes)}"
+            f" ({_size(m.fused_op_bytes)} from fused ops), partitioner {m.partitioner}"
+            for m in self.memory
+        ] or ["  (no training graph)"]
+        return "\n".join(lines) + "\n"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+_collectors = threading.local()
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[CompileReport]:
+    """Within the block, every finished graph report is also merged into the yielded report."""
+    report = CompileReport()
+    stack = _collectors.__dict__.setdefault("stack", [])
+    stack.append(report)
+    try:
+        yield report
+    finally:
+        stack.remove(report)
+
+
+def publish(report: CompileReport) -> None:
+    for collector in getattr(_collectors, "stack", []):
+        collector.merge(report)

@@ -1,0 +1,62 @@
+"""Where fused operators run: compiled Triton kernels on CUDA tensors; on CPU tensors the reference
+implementation, or the generated kernels under Triton's interpreter when `SEQFAST_INTERPRET=1`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def interpreting() -> bool:
+    return os.environ.get("SEQFAST_INTERPRET", "").strip().lower() in _TRUE
+
+
+def request_interpreter_if_asked() -> None:
+    """Set `TRITON_INTERPRET=1` when `SEQFAST_INTERPRET` asks for it. Triton decides at import
+    whether its own library functions are interpreted, so this runs when seqcompile is imported."""
+    if interpreting():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def use_kernels(tensor: torch.Tensor) -> bool:
+    """True when a fused op on `tensor` should launch its generated kernels."""
+    if tensor.device.type == "cuda":
+        return True
+    return tensor.device.type == "cpu" and interpreting()
+
+
+def prepare_triton() -> None:
+    """Check, before a generated kernel module is imported, that Triton can run it here."""
+    if not interpreting():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language as tl
+
+    if type(getattr(tl, "sum", None)).__name__ == "JITFunction":
+        raise RuntimeError(
+            "SEQFAST_INTERPRET=1 needs Triton's interpreter, but Triton was imported before it "
+            "was requested (torch.compile imports it). Set TRITON_INTERPRET=1 in the environment "
+            "as well, or `import seqcompile` before the first torch.compile call."
+        )
+
+
+def poisoning() -> bool:
+    return os.environ.get("SEQFAST_POISON", "").strip().lower() in _TRUE
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output. With `SEQFAST_POISON=1` it starts as NaN, so an element a kernel
+    forgets to write shows up in tests instead of passing by luck."""
+    if poisoning():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def program_cap(tensor: torch.Tensor) -> int:
+    """How many programs a persistent-style kernel should start on `tensor`'s device."""
+    if tensor.device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(tensor.device).multi_processor_count
+    return 4  # the interpreter runs programs one after another; few programs, fewer partials

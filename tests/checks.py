@@ -1,0 +1,85 @@
+"""The one helper every fusion test uses: compile with seqfast and check together that the fusion
+fired, that the output and every gradient match eager, and which sites were refused and why."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from conftest import assert_close
+
+from seqcompile.backend import seqfast
+from seqcompile.report import CompileReport, collecting
+
+
+def _clone(inputs: Sequence[Any]) -> list[Any]:
+    return [
+        t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    ]
+
+
+def _outputs(result: Any) -> list[torch.Tensor]:
+    flat = result if isinstance(result, tuple | list) else [result]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _backward(outputs: list[torch.Tensor], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    differentiable = [t for t in outputs if t.requires_grad]
+    cotangents = [
+        torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.device, t.dtype)
+        for t in differentiable
+    ]
+    torch.autograd.backward(differentiable, cotangents)
+
+
+def check_fusion(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    *,
+    counts: dict[str, int],
+    missed: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    grad: bool = True,
+) -> CompileReport:
+    """Compile `fn` (a function or module) with seqfast, run it on `inputs`, and assert:
+    - the report counts equal `counts` for every family named there;
+    - each string in `missed` appears in one refusal reason, and there are no other refusals;
+    - outputs, input gradients and parameter gradients match eager at `dtype`'s tolerance.
+    """
+    eager_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
+    eager_inputs, fast_inputs = _clone(inputs), _clone(inputs)
+    expected = _outputs(eager_fn(*eager_inputs))
+    backend = functools.partial(seqfast, options=options)
+    with collecting() as report:
+        actual = _outputs(torch.compile(fn, backend=backend)(*fast_inputs))
+    for name, n in counts.items():
+        assert report.counts[name] == n, (
+            f"{name}: fused {report.counts[name]}, expected {n}\n{report}"
+        )
+    reasons = [m.reason for m in report.missed]
+    for needle in missed:
+        assert any(needle in r for r in reasons), f"no refusal mentions {needle!r}: {reasons}"
+    assert len(reasons) == len(missed), f"unexpected refusals: {reasons}"
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert_close(a, e, dtype)
+    if grad and any(t.requires_grad for t in expected):
+        _backward(expected, seed=1)
+        _backward(actual, seed=1)
+        for a, e in zip(_grads(fn, fast_inputs), _grads(eager_fn, eager_inputs), strict=True):
+            assert a is not None and e is not None
+            assert_close(a, e, dtype)
+    return report
+
+
+def _grads(fn: Any, inputs: Sequence[Any]) -> list[torch.Tensor | None]:
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if isinstance(fn, torch.nn.Module):
+        tensors += [p for p in fn.parameters() if p.requires_grad]
+    return [t.grad for t in tensors]

@@ -1,0 +1,230 @@
+"""The residual + normalization family end to end: each spelling fuses, output and every gradient
+match eager, and each near-miss is refused with its reason."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from checks import check_fusion
+
+from seqcompile.demo import HandwrittenRMSNorm
+
+
+def rand(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+class AddNorm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, y):
+        return self.norm(x + y)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        nn.LayerNorm(32),
+        nn.LayerNorm(32, elementwise_affine=False),
+        nn.LayerNorm(32, bias=False),
+        nn.RMSNorm(32),
+        nn.RMSNorm(32, eps=1e-5, elementwise_affine=False),
+        HandwrittenRMSNorm(32),
+    ],
+    ids=["layer", "layer-no-affine", "layer-no-bias", "rms", "rms-no-affine", "t5-by-hand"],
+)
+def test_norm_modules_of_a_sum(norm):
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    check_fusion(AddNorm(norm), [rand(2, 5, 32), rand(2, 5, 32)], counts={"norm": 1})
+
+
+def test_functional_spellings():
+    w, b = rand(32), rand(32)
+
+    def fn(x, y, z):
+        a = F.layer_norm(x + y, (32,), w, b, eps=1e-6)
+        c = F.rms_norm(a + z, (32,), w)
+        return F.rms_norm(c, [32], None, eps=1e-3)
+
+    check_fusion(fn, [rand(3, 32), rand(3, 32), rand(3, 32)], counts={"norm": 3})
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_style_handwritten_rms_norm(weight_dtype):
+    weight = rand(32, dtype=weight_dtype)
+
+    def fn(x, y):
+        h = x + y
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + 1e-6)
+        return weight * h.to(dtype)
+
+    check_fusion(fn, [rand(4, 32), rand(4, 32)], counts={"norm": 1}, dtype=weight_dtype)
+
+
+def test_handwritten_rms_norm_with_other_spellings():
+    """`x * x`, `/ sqrt(...)` and a mean over dim 1 of a 2-D tensor are the same idea."""
+
+    def fn(x):
+        return x / torch.sqrt((x.float() * x.float()).mean(1, keepdim=True) + 1e-6)
+
+    check_fusion(fn, [rand(6, 32)], counts={"norm": 1})
+
+
+class PostLN(nn.Module):
+    """The LightSeq2 / BERT layer tail: LayerNorm(x + dropout(linear(h)))."""
+
+    def __init__(self, d=32, p=0.0, bias_by_hand=False, branch_first=False):
+        super().__init__()
+        self.linear = nn.Linear(d, d, bias=not bias_by_hand)
+        self.bias = nn.Parameter(torch.randn(d)) if bias_by_hand else None
+        self.norm = nn.LayerNorm(d)
+        self.p, self.branch_first = p, branch_first
+
+    def forward(self, x, h):
+        y = self.linear(h) if self.bias is None else h @ self.linear.weight.t() + self.bias
+        y = F.dropout(y, self.p, self.training)
+        return self.norm(y + x if self.branch_first else x + y)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"bias_by_hand": True}, {"branch_first": True}],
+    ids=["linear-bias", "bias-add", "commuted"],
+)
+def test_post_ln_folds_bias_and_dropout_into_the_norm(kwargs, tmp_path):
+    module = PostLN(**kwargs)
+    check_fusion(
+        module, [rand(2, 7, 32), rand(2, 7, 32)], counts={"norm": 1}, options={"dump_dir": tmp_path}
+    )
+    fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
+    # the bias add and the residual add both live inside the fused op now
+    assert "aten.add" not in fused and "seqfast.add_norm" in fused
+    if "bias_by_hand" not in kwargs:
+        assert "aten.linear.default(arg2_1, arg0_1)" in fused.replace(" ", "").replace(",", ", ")
+
+
+def test_post_ln_with_dropout_folds_dropout(tmp_path):
+    module = PostLN(p=0.1).train()
+    x, h = rand(2, 7, 32), rand(2, 7, 32)
+    out = torch.compile(module, backend="seqfast", options={"dump_dir": tmp_path})(x, h)
+    out.sum().backward()
+    fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
+    assert "aten.dropout" not in fused and "aten.randint" in fused and "seqfast.add_norm" in fused
+    backward = next(tmp_path.glob("*/*_lower_backward.py")).read_text()
+    assert "seqfast.add_norm_backward" in backward and "native_dropout" not in backward
+
+
+def test_pre_ln_sum_is_a_second_output(tmp_path):
+    norm1, norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+    lin = nn.Linear(32, 32)
+
+    def block(x, y):
+        s = x + y  # read by the norm and carried on to the next residual add
+        t = s + lin(norm1(s))
+        return norm2(t) * 2 + t
+
+    report = check_fusion(
+        block, [rand(3, 4, 32), rand(3, 4, 32)], counts={"norm": 2}, options={"dump_dir": tmp_path}
+    )
+    assert report.counts["norm"] == 2
+    fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
+    # both residual sums come out of the fused ops: the only add left is the final one
+    assert fused.count("aten.add.Tensor") == 1
+    assert "add_norm_default[1]" in fused and "add_norm_default_1[1]" in fused
+
+
+def test_embedding_sum_of_three():
+    norm = nn.LayerNorm(32)
+
+    def embed(a, b, c):
+        return norm(a + b + c)
+
+    check_fusion(embed, [rand(2, 6, 32), rand(2, 6, 32), rand(2, 6, 32)], counts={"norm": 1})
+
+
+def test_broadcast_residual_normalizes_without_folding():
+    norm = nn.LayerNorm(32)
+    check_fusion(lambda x, pos: norm(x + pos), [rand(2, 6, 32), rand(6, 32)], counts={"norm": 1})
+
+
+def test_mixed_precision_branch_and_residual():
+    norm = nn.LayerNorm(32)
+    check_fusion(
+        lambda x, y: norm(x + y.float()).half(),
+        [rand(2, 6, 32), rand(2, 6, 32, dtype=torch.float16)],
+        counts={"norm": 1},
+        dtype=torch.float16,
+    )
+
+
+def test_inference_graph_is_fused_too():
+    module = PostLN().eval()
+    with torch.no_grad():
+        check_fusion(
+            module, [rand(2, 5, 32, grad=False), rand(2, 5, 32, grad=False)], counts={"norm": 1}
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# near-misses
+
+
+def test_refuses_width_beyond_the_kernel():
+    norm = nn.LayerNorm(20000)
+    check_fusion(
+        lambda x: norm(x),
+        [rand(2, 20000)],
+        counts={"norm": 0},
+        missed=["normalized width 20000 > 16384"],
+    )
+
+
+def test_refuses_float64():
+    norm = nn.LayerNorm(16).double()
+    check_fusion(
+        lambda x, y: norm(x + y),
+        [rand(2, 16, dtype=torch.float64), rand(2, 16, dtype=torch.float64)],
+        counts={"norm": 0},
+        missed=["dtype torch.float64 is not supported"],
+        dtype=torch.float64,
+    )
+
+
+def test_refuses_normalization_over_two_dims():
+    norm = nn.LayerNorm((4, 8))
+    rms = nn.RMSNorm((4, 8))
+
+    def fn(x):
+        return norm(x) + rms(x)
+
+    check_fusion(
+        fn,
+        [rand(3, 4, 8)],
+        counts={"norm": 0},
+        missed=["over the last 2 dimensions", "over the last 2 dimensions"],
+    )
+
+
+def test_refuses_handwritten_rms_norm_over_another_dim():
+    def fn(x):
+        return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)
+
+    check_fusion(fn, [rand(2, 3, 8)], counts={"norm": 0}, missed=["averages over dims [1]"])
+
+
+def test_refuses_dropout_that_drops_everything():
+    norm = nn.LayerNorm(8)
+
+    def fn(x, y):
+        return norm(x + F.dropout(y, 1.0, True))
+
+    check_fusion(
+        fn, [rand(2, 8), rand(2, 8)], counts={"norm": 0}, missed=["p=1.0 drops every element"]
+    )
