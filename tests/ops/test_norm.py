@@ -103,18 +103,24 @@ def test_shapes_and_dtypes(impl, rms, width, rows, dtype):
     run_and_compare(inputs, p=0.0, rms=rms, dtype=dtype)
 
 
-FEATURES = list(itertools.product([False, True], repeat=5))
+FEATURES = [
+    (rms, *flags)
+    for rms in (False, True)
+    for flags in itertools.product([False, True], repeat=5)
+    if not (rms and flags[3])  # RMSNorm has no bias
+]
 
 
 @pytest.mark.parametrize(
-    "residual,branch_bias,weight,bias,dropout",
+    "rms,residual,branch_bias,weight,bias,dropout",
     FEATURES,
-    ids=["".join("RBWbD"[i] if on else "-" for i, on in enumerate(f)) for f in FEATURES],
+    ids=[
+        ("rms-" if f[0] else "layer-")
+        + "".join("RBWbD"[i] if on else "-" for i, on in enumerate(f[1:]))
+        for f in FEATURES
+    ],
 )
-@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 def test_every_feature_combination(impl, rms, residual, branch_bias, weight, bias, dropout):
-    if rms and bias:
-        pytest.skip("RMSNorm has no bias")
     inputs = make_inputs(
         5, 33, torch.float32, residual=residual, branch_bias=branch_bias, weight=weight, bias=bias
     )

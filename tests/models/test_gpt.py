@@ -1,0 +1,110 @@
+"""The GPT-style test model under real training conditions: every norm site fused, loss and every
+gradient equal to eager, autocast, changing sequence lengths, seeded dropout, a short loss curve."""
+
+import copy
+
+import pytest
+import torch
+from checks import check_fusion
+from conftest import TOLERANCES
+
+from seqcompile.demo import GPT, Block, GPTConfig, toy_batch, train
+from seqcompile.report import collecting
+
+
+def config(**kwargs):
+    return GPTConfig(
+        **{"vocab": 64, "max_len": 32, "d_model": 32, "n_heads": 2, "dropout": 0.0, **kwargs}
+    )
+
+
+def batch(cfg, length=16, size=2, seed=0):
+    return toy_batch(cfg, size, length, torch.device("cpu"), torch.Generator().manual_seed(seed))
+
+
+def norm_sites(cfg):
+    return 2 * cfg.n_layers + 1
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms", "t5"])
+def test_loss_and_every_gradient_match_eager(norm):
+    torch.manual_seed(0)
+    cfg = config(norm=norm)
+    check_fusion(GPT(cfg), list(batch(cfg)), counts={"norm": norm_sites(cfg)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", ["layer", "t5"])
+def test_autocast_still_fuses_and_keeps_eager_dtypes(dtype, norm):
+    torch.manual_seed(0)
+    cfg = config(norm=norm)
+    block = Block(cfg)
+    x = torch.randn(2, 8, cfg.d_model, requires_grad=True)
+
+    def two_outputs(x):
+        return block.ln1(x), block(x)
+
+    x_fast = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        eager = two_outputs(x)
+        with collecting() as report:
+            fast = torch.compile(two_outputs, backend="seqfast")(x_fast)
+    assert report.counts["norm"] == 3, report
+    for a, e in zip(fast, eager, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, **TOLERANCES[dtype])
+    sum(t.float().sum() for t in eager).backward()
+    sum(t.float().sum() for t in fast).backward()
+    torch.testing.assert_close(x_fast.grad, x.grad, **TOLERANCES[dtype])
+
+
+def test_four_sequence_lengths_compile_at_most_two_graphs_all_fused():
+    torch.manual_seed(0)
+    cfg = config()
+    model = GPT(cfg)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="seqfast")
+    with collecting() as report:
+        for length in (8, 12, 16, 24):
+            idx, targets = batch(cfg, length)
+            loss = compiled(idx, targets)
+            torch.testing.assert_close(loss, eager(idx, targets), **TOLERANCES[torch.float32])
+    assert len(report.graphs) == 2
+    assert report.counts["norm"] == 2 * norm_sites(cfg)  # the dynamic graph is fused as well
+    assert report.missed == []
+
+
+def loss_and_grads(model, idx, targets, seed):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_seeded_dropout_runs_repeat_and_differ_across_seeds():
+    torch.manual_seed(0)
+    cfg = config(dropout=0.2)
+    model = GPT(cfg).train()
+    compiled = torch.compile(model, backend="seqfast")
+    idx, targets = batch(cfg)
+    with collecting() as report:
+        first = loss_and_grads(compiled, idx, targets, seed=1)
+    assert report.counts["norm"] == norm_sites(cfg)
+    again = loss_and_grads(compiled, idx, targets, seed=1)
+    other = loss_and_grads(compiled, idx, targets, seed=2)
+    assert torch.equal(first[0], again[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], again[1], strict=True))
+    assert not torch.equal(first[0], other[0])
+
+
+def test_training_loss_curve_tracks_eager():
+    torch.manual_seed(0)
+    cfg = config()
+    model = GPT(cfg)
+    fast_model = copy.deepcopy(model)
+    kwargs = dict(steps=5, batch=4, length=16, device=torch.device("cpu"))
+    eager = train(model, model, cfg, **kwargs)
+    fast = train(fast_model, torch.compile(fast_model, backend="seqfast"), cfg, **kwargs)
+    assert eager.losses[-1] < eager.losses[0]
+    torch.testing.assert_close(fast.losses, eager.losses, atol=1e-4, rtol=1e-4)

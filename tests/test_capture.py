@@ -1,0 +1,53 @@
+"""Capture keeps the ops patterns match whole, carries source locations, keeps symbolic sizes."""
+
+import torch
+import torch.nn.functional as F
+
+from seqcompile.capture import fake_inputs, trace_pre_dispatch
+
+aten = torch.ops.aten
+
+
+def captured(fn, *inputs, dynamic=False):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        fake_mode, fakes = fake_inputs(example_inputs)
+        graphs.append(trace_pre_dispatch(gm, fake_mode, fakes))
+        return gm.forward
+
+    torch.compile(fn, backend=backend, dynamic=dynamic)(*inputs)
+    return graphs[0]
+
+
+def test_pre_dispatch_keeps_the_ops_patterns_match_whole():
+    w = torch.randn(8, 8)
+
+    def fn(x):
+        h = F.dropout(F.linear(x, w), 0.1, True)
+        return F.layer_norm(h, (8,)), F.rms_norm(h, (8,)), h.softmax(-1)
+
+    graph = captured(fn, torch.randn(2, 8))
+    targets = {n.target for n in graph.graph.nodes}
+    for op in (
+        aten.linear.default,
+        aten.dropout.default,
+        aten.layer_norm.default,
+        aten.rms_norm.default,
+        aten.softmax.int,
+    ):
+        assert op in targets, op
+
+
+def test_nodes_carry_fake_values_and_source_locations():
+    graph = captured(lambda x: F.layer_norm(x * 2, (8,)), torch.randn(2, 8))
+    norm = next(n for n in graph.graph.nodes if n.target is aten.layer_norm.default)
+    assert norm.meta["val"].shape == (2, 8)
+    assert "test_capture.py" in norm.meta["stack_trace"]
+
+
+def test_symbolic_sizes_stay_symbolic():
+    graph = captured(lambda x: F.layer_norm(x, (8,)), torch.randn(5, 8), dynamic=True)
+    norm = next(n for n in graph.graph.nodes if n.target is aten.layer_norm.default)
+    rows, width = norm.meta["val"].shape
+    assert isinstance(rows, torch.SymInt) and width == 8

@@ -1,0 +1,84 @@
+"""Normalization rules, each on a small graph: the spelling it removes is gone, values unchanged."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from seqcompile.capture import trace_pre_dispatch
+from seqcompile.normalize import normalize_graph
+
+aten = torch.ops.aten
+
+
+def normalized(fn, *inputs):
+    gm = torch.fx.symbolic_trace(fn)
+    fake_mode = FakeTensorMode()
+    fakes = [fake_mode.from_tensor(t) for t in inputs]
+    graph = trace_pre_dispatch(gm, fake_mode, fakes)
+    fired = normalize_graph(graph, fake_mode)
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    return graph, fired, targets
+
+
+@pytest.mark.parametrize(
+    "fn,rule,absent,present",
+    [
+        (
+            lambda x: F.dropout(x, 0.0, True) + 1,
+            "drop_inactive_dropout",
+            aten.dropout.default,
+            None,
+        ),
+        (
+            lambda x: F.dropout(x, 0.3, False) + 1,
+            "drop_inactive_dropout",
+            aten.dropout.default,
+            None,
+        ),
+        (lambda x: x.float() * 2, "one_cast_spelling", aten.to.dtype, None),
+        (
+            lambda x: x.type_as(torch.ones(1, dtype=torch.float16)),
+            "one_cast_spelling",
+            aten.type_as.default,
+            aten.to.dtype,
+        ),
+        (lambda x: x / 4, "div_by_constant", aten.div.Tensor, aten.mul.Tensor),
+        (lambda x: torch.square(x), "square_as_pow", aten.square.default, aten.pow.Tensor_Scalar),
+        (lambda x: x * x, "square_as_pow", aten.mul.Tensor, aten.pow.Tensor_Scalar),
+        (lambda x: x / torch.sqrt(x + 1), "rsqrt_spellings", aten.sqrt.default, aten.rsqrt.default),
+        (
+            lambda x: torch.reciprocal(torch.sqrt(x + 1)),
+            "rsqrt_spellings",
+            aten.reciprocal.default,
+            aten.rsqrt.default,
+        ),
+        (lambda x: (x + 1) ** -0.5, "rsqrt_spellings", aten.pow.Tensor_Scalar, aten.rsqrt.default),
+    ],
+    ids=[
+        "dropout-p0",
+        "dropout-eval",
+        "cast-noop",
+        "type_as",
+        "div",
+        "square",
+        "mul-self",
+        "div-sqrt",
+        "recip-sqrt",
+        "pow-half",
+    ],
+)
+def test_rule(fn, rule, absent, present):
+    x = torch.rand(3, 4) + 0.5
+    graph, fired, targets = normalized(fn, x)
+    assert fired[rule] >= 1, fired
+    assert absent not in targets
+    if present is not None:
+        assert present in targets
+    torch.testing.assert_close(graph(x), fn(x))
+
+
+def test_real_casts_and_active_dropout_stay():
+    _, fired, targets = normalized(lambda x: F.dropout(x.half(), 0.1, True), torch.rand(2, 2))
+    assert aten.dropout.default in targets and aten.to.dtype in targets
+    assert sum(fired.values()) == 0
