@@ -24,6 +24,7 @@ _env = jinja2.Environment(
 )
 _lock = threading.Lock()
 _prepared: dict[KernelSpec, KernelSource] = {}
+_functions: dict[KernelSpec, Callable[..., Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,9 @@ def prepare_kernel(spec: KernelSpec, provenance: str) -> KernelSource:
 
 def kernel_function(spec: KernelSpec) -> Callable[..., Any]:
     """The `@triton.jit` function for `spec`, rendered on first use if no compile prepared it."""
-    source = _prepared.get(spec) or prepare_kernel(spec, "a launch with no compiled graph")
-    runtime.prepare_triton()
-    return getattr(import_source(source.path), source.name)
+    fn = _functions.get(spec)
+    if fn is None:
+        source = _prepared.get(spec) or prepare_kernel(spec, "a launch with no compiled graph")
+        runtime.prepare_triton()
+        fn = _functions[spec] = getattr(import_source(source.path), source.name)
+    return fn

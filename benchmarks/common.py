@@ -1,0 +1,80 @@
+"""Shared benchmark machinery: timing, the measured copy-bandwidth ceiling, device and version
+facts, and markdown tables that carry the command that produced them."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def timed_ms(
+    fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 20
+) -> float:
+    """Median milliseconds per call: `triton.testing.do_bench` on CUDA, a wall-clock loop on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25 * warmup, rep=100, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(device: torch.device, megabytes: int) -> float:
+    """Achieved GB/s of `dst.copy_(src)` (read + write) on a buffer of `megabytes`."""
+    n = megabytes * 2**20 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def header(title: str, device: torch.device, module: str) -> list[str]:
+    import triton
+
+    return [
+        f"## {title}",
+        "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- device: {device_name(device)}",
+        f"- torch {torch.__version__}, triton {triton.__version__}",
+        f"- command: `python -m {module} {' '.join(sys.argv[1:])}`",
+        "",
+    ]
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    def cell(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def emit(lines: list[str], output: str | None) -> None:
+    """Print the section; with `output`, also append it to that markdown file."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if output:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(text + "\n")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Everything a GPU session checks and measures, in one call. Writes into ${OUT:-benchmarks/out}:
+#   pytest_gpu.txt   the GPU test tier
+#   results.md       the benchmark tables, ready for benchmarks/results/<device>.md
+set -u
+out="${OUT:-benchmarks/out}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/device.txt"
+# The GPU machine has no network: install without dependencies or build isolation.
+pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -2
+python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40 | tee "$out/pytest_gpu.txt"
+python -m benchmarks.norm_kernels --output "$out/results.md" 2>&1 | tail -60
+python -m benchmarks.train_step --output "$out/results.md" 2>&1 | tail -20

@@ -1,0 +1,121 @@
+"""Fused residual + norm kernels against eager PyTorch and Inductor: time, achieved GB/s and the
+fraction of the copy bandwidth measured in the same run, forward and forward + backward.
+
+    python -m benchmarks.norm_kernels [--quick] [--output benchmarks/results/<device>.md]
+
+The byte count is the least the math must move, the same for every executor: forward reads x and
+the residual and writes the output and the sum (pre-LN keeps it); the backward reads the output
+gradient and the sum and writes the input gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
+from benchmarks.common import copy_bandwidth_gbs, emit, header, table, timed_ms
+
+
+def eager_add_norm(x, residual, weight, bias, rms):
+    total = x + residual
+    if rms:
+        return F.rms_norm(total, total.shape[-1:], weight, 1e-5), total
+    return F.layer_norm(total, total.shape[-1:], weight, bias, 1e-5), total
+
+
+def seqfast_add_norm(x, residual, weight, bias, rms):
+    out, total, _, _ = torch.ops.seqfast.add_norm(
+        x, residual, None, weight, None if rms else bias, None, 0, 0.0, 1e-5, rms, x.dtype, x.dtype
+    )
+    return out, total
+
+
+def bench_case(executors, rows, width, dtype, rms, device, backward):
+    g = torch.Generator(device=device).manual_seed(0)
+    x, residual = (
+        torch.randn(rows, width, device=device, dtype=dtype, generator=g) for _ in range(2)
+    )
+    weight, bias = (torch.randn(width, device=device, dtype=dtype, generator=g) for _ in range(2))
+    grads = [torch.randn_like(x), torch.randn_like(x)]
+    if backward:
+        for t in (x, residual, weight, bias):
+            t.requires_grad_(True)
+    results = {}
+    reference = None
+    for name, fn in executors.items():
+        outputs = fn(x, residual, weight, bias, rms)
+        if reference is None:
+            reference = [o.detach().float() for o in outputs]
+        else:  # correct first: every executor must agree before it is timed
+            for o, r in zip(outputs, reference, strict=True):
+                torch.testing.assert_close(o.detach().float(), r, atol=5e-2, rtol=5e-2)
+
+        def step(fn=fn):
+            outs = fn(x, residual, weight, bias, rms)
+            if backward:
+                torch.autograd.backward(outs, grads)
+
+        results[name] = timed_ms(step, device)
+        if backward:
+            for t in (x, residual, weight, bias):
+                t.grad = None
+    elements = rows * width * dtype.itemsize
+    moved = 4 * elements + (3 * elements if backward else 0)
+    return results, moved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
+    parser.add_argument("--output", help="append the markdown table to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = 256 if args.quick else 32768
+    widths = (64, 96) if args.quick else (768, 1024, 4096, 8192)
+    ceiling = copy_bandwidth_gbs(device, 8 if args.quick else 1024)
+
+    executors = {"eager": eager_add_norm, "seqfast": seqfast_add_norm}
+    if not args.no_inductor:
+        executors["inductor"] = torch.compile(eager_add_norm, dynamic=False)
+    lines = header("Fused residual + norm kernels", device, "benchmarks.norm_kernels")
+    lines += [f"Measured copy bandwidth (read + write): {ceiling:.0f} GB/s. dtype {dtype}.", ""]
+    rows_out = []
+    for rms in (False, True):
+        for width in widths:
+            for backward in (False, True):
+                times, moved = bench_case(executors, rows, width, dtype, rms, device, backward)
+                case = [
+                    "rms" if rms else "layer",
+                    f"{rows}x{width}",
+                    "fwd+bwd" if backward else "fwd",
+                ]
+                for name, ms in times.items():
+                    gbs = moved / (ms * 1e-3) / 1e9
+                    versus_inductor = times["inductor"] / ms if "inductor" in times else ""
+                    rows_out.append(
+                        [*case, name, ms, gbs, gbs / ceiling, times["eager"] / ms, versus_inductor]
+                    )
+    lines += table(
+        [
+            "norm",
+            "rows x width",
+            "pass",
+            "executor",
+            "ms",
+            "GB/s",
+            "of copy bw",
+            "x eager",
+            "x inductor",
+        ],
+        rows_out,
+    )
+    emit(lines, args.output)
+
+
+if __name__ == "__main__":
+    main()

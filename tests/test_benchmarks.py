@@ -1,0 +1,25 @@
+"""The benchmark scripts run end to end at toy sizes, so a GPU session finds them working."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("module", ["benchmarks.norm_kernels", "benchmarks.train_step"])
+def test_benchmark_quick_run_writes_a_table(module, tmp_path):
+    output = tmp_path / "results.md"
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--quick", "--no-inductor", "--output", str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = output.read_text()
+    assert f"command: `python -m {module} --quick" in text and "device: cpu" in text
+    assert "| eager |" in text and "| seqfast |" in text

@@ -1,0 +1,66 @@
+"""The GPU tier (`pytest -m gpu`): compiled kernels on CUDA against the reference at larger shapes
+and low-precision tolerances, and a short training run whose loss curve must track eager."""
+
+import copy
+
+import pytest
+import torch
+from conftest import TOLERANCES
+
+import seqcompile.ops.norm as norm_op
+from seqcompile.demo import GPT, GPTConfig, train
+from seqcompile.report import collecting
+
+pytestmark = pytest.mark.gpu
+cuda = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [768, 1000, 4096])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_kernels_match_the_reference(dtype, width, rms, p):
+    g = torch.Generator(device=cuda).manual_seed(0)
+    rows = 4099
+    x, residual = (torch.randn(rows, width, device=cuda, generator=g).to(dtype) for _ in range(2))
+    branch_bias, weight, bias = (torch.randn(width, device=cuda, generator=g) for _ in range(3))
+    bias = None if rms else bias
+    seed = torch.tensor(1234, device=cuda)
+    args = (x, residual, branch_bias, weight, bias, seed, 5, p, 1e-5, rms, dtype, torch.float32)
+    kernels = norm_op._forward_kernels(*args)
+    reference = norm_op._forward_reference(*args)
+    for k, r in zip(kernels, reference, strict=True):
+        torch.testing.assert_close(k, r, **TOLERANCES[dtype if k.dtype == dtype else torch.float32])
+    grad_out = torch.randn_like(kernels[0])
+    grad_sum = torch.randn_like(kernels[1])
+    bargs = (grad_out, grad_sum, kernels[1], kernels[2], kernels[3], weight, seed, 5, p, rms, dtype,
+             dtype, None if rms else torch.float32, torch.float32)  # fmt: skip
+    for k, r in zip(
+        norm_op._backward_kernels(*bargs), norm_op._backward_reference(*bargs), strict=True
+    ):
+        tol = TOLERANCES[dtype] if k.dim() == 2 else dict(atol=1e-1, rtol=1e-2)
+        torch.testing.assert_close(k, r, **tol)
+
+
+def test_training_loss_curve_tracks_eager_in_bf16():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=4, dropout=0.0)
+    model = GPT(config).to(cuda)
+    fast_model = copy.deepcopy(model)
+    kwargs = dict(steps=20, batch=8, length=128, device=cuda)
+
+    def bf16(step):
+        def run(idx, targets):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return step(idx, targets)
+
+        return run
+
+    eager = train(model, bf16(model), config, **kwargs)
+    with collecting() as report:
+        fast = train(
+            fast_model, bf16(torch.compile(fast_model, backend="seqfast")), config, **kwargs
+        )
+    assert report.counts["norm"] == 2 * config.n_layers + 1
+    assert eager.losses[-1] < eager.losses[0] - 0.5
+    torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
