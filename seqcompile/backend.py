@@ -160,6 +160,15 @@ class _PassThroughOptionError(ShortenTraceback, OptionError):
     lets `torch.compile` callers catch a bad option as the ValueError it is."""
 
 
+def _configure_log(level: str) -> None:
+    """Set the level; print to stderr unless something (e.g. TORCH_LOGS) already handles it."""
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[seqcompile] %(message)s"))
+        log.addHandler(handler)
+
+
 def _default_rest(example_inputs: Sequence[Any]) -> str:
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     return "inductor" if on_cuda else "eager"
@@ -178,7 +187,7 @@ def seqfast(
     except OptionError as error:
         raise _PassThroughOptionError(str(error), first_useful_frame=None) from None
     if opts.log is not None:
-        log.setLevel(opts.log.upper())
+        _configure_log(opts.log)
     if opts.disable:
         return gm.forward
     state = GraphCompile(

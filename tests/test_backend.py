@@ -129,3 +129,17 @@ def test_symbolic_width_is_refused_with_reason():
 @pytest.mark.parametrize("mode", [None, "default"])
 def test_mode_is_accepted(mode):
     torch.compile(Tail(), backend="seqfast", mode=mode)(*inputs())
+
+
+def test_log_option_prints_the_report_to_stderr(capfd):
+    import logging
+
+    log = logging.getLogger("seqcompile")
+    level, handlers = log.level, list(log.handlers)
+    try:
+        torch.compile(Tail(), backend="seqfast", options={"log": "info"})(*inputs())
+        err = capfd.readouterr().err
+        assert "[seqcompile] graph_" in err and "fused sites:" in err
+    finally:
+        log.setLevel(level)
+        log.handlers[:] = handlers
