@@ -39,7 +39,8 @@ SCRIPT = textwrap.dedent(
         constexprs = {k: v for k, v in constexprs.items() if k in sig}
         for k in constexprs:
             sig[k] = "constexpr"
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+        source = ASTSource(fn, sig, constexprs=constexprs)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], spec
         print("ok", spec.template, spec.describe(), data, sorted(constexprs))
 
@@ -49,8 +50,8 @@ SCRIPT = textwrap.dedent(
         for spec in norm.backward_specs(sum_grad=on, residual_grad=on, rms=rms, **flags):
             compile(spec, "*fp16", {"BLOCK_N": 1024, "BLOCK_G": 16})
     # Triton turns integer arguments equal to 1 into constants: the first dropout stream, width 1
-    compile(norm.forward_spec(residual=True, branch_bias=False, dropout=True, rms=False, weight=True,
-            bias=False), "*fp32", {"BLOCK_N": 1, "stream": 1, "N": 1})
+    flags = dict(branch_bias=False, dropout=True, rms=False, weight=True, bias=False)
+    compile(norm.forward_spec(residual=True, **flags), "*fp32", {"BLOCK_N": 1, "stream": 1, "N": 1})
     """
 )
 
