@@ -96,6 +96,38 @@ def node_order(graph: Graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+_STATE_CHANGES = tuple(
+    fn
+    for fn in (
+        torch._C._set_grad_enabled,
+        getattr(torch.amp.autocast_mode, "_enter_autocast", None),
+        getattr(torch.amp.autocast_mode, "_exit_autocast", None),
+    )
+    if fn is not None
+)
+
+
+def is_barrier(node: Node) -> bool:
+    """No computation may move across `node`: it switches grad mode or autocast, or mutates."""
+    if node.op != "call_function":
+        return False
+    if node.target in _STATE_CHANGES:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def barrier_between(first: Node, last: Node) -> bool:
+    """Whether a barrier lies among the nodes from `first` to `last`, both included."""
+    node = first
+    while True:
+        if is_barrier(node):
+            return True
+        if node is last or node.op == "output":
+            return False
+        node = node.next
+
+
 def site_name(node: Node) -> str:
     """A readable place for the report: the module path and source line that produced `node`."""
     where = []

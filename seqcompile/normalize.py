@@ -7,9 +7,9 @@ rules until none fires and returns how often each fired.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable
-from numbers import Number
 from typing import Any
 
 import torch
@@ -68,31 +68,44 @@ def _cast_target(node: Node) -> torch.dtype | None:
 
 
 def _one_cast_spelling(node: Node, ctx: RuleContext) -> Node | None:
-    """Every dtype conversion becomes `aten.to.dtype`; one to the dtype it already has vanishes."""
+    """Every dtype conversion becomes `aten.to.dtype`; an aliasing one (`to`, `type_as`) to the
+    dtype its input already has vanishes. (`_to_copy` always copies, so it stays a copy.)"""
     dtype = _cast_target(node)
     src = tensor_val(node.args[0]) if isinstance(node.args[0], Node) else None
     if dtype is None or src is None:
         return None
     if src.dtype == dtype:
-        return node.args[0]
+        aliasing = node.target in (aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
+        return node.args[0] if aliasing else None
     if node.target is aten.to.dtype and len(node.args) == 2 and not node.kwargs:
         return None
     return ctx.call(aten.to.dtype, node.args[0], dtype)
 
 
 def _div_by_constant(node: Node, ctx: RuleContext) -> Node | None:
-    """`x / c` becomes `x * (1 / c)` for a nonzero number `c`."""
+    """`x / c` becomes `x * (1 / c)` for a power of two `c`, whose reciprocal is exact, so the
+    result is bit for bit the same. Other constants stay divisions; patterns that take a scale
+    read both spellings."""
     if is_call(node, aten.div.Tensor, aten.div.Scalar) and len(node.args) == 2 and not node.kwargs:
         x, c = node.args
         value = tensor_val(x)
-        if isinstance(c, Number) and not isinstance(c, bool) and c != 0 and value is not None:
-            if value.is_floating_point():
+        if isinstance(c, float | int) and not isinstance(c, bool) and _is_power_of_two(c):
+            if value is not None and value.is_floating_point():
                 return ctx.call(aten.mul.Tensor, x, 1.0 / c)
     return None
 
 
+def _is_power_of_two(c: float) -> bool:
+    mantissa, exponent = math.frexp(abs(c))
+    return c != 0 and math.isfinite(c) and mantissa == 0.5 and -126 <= exponent <= 127
+
+
 def _square_as_pow(node: Node, ctx: RuleContext) -> Node | None:
-    """`square(x)` and `x * x` become `pow(x, 2)`."""
+    """`square(x)`, `x * x` and `x ** 2.0` become `x ** 2` for floating `x` (for integer or
+    bool `x` the spellings differ in result dtype)."""
+    value = tensor_val(node.args[0]) if node.args else None
+    if value is None or not value.is_floating_point():
+        return None
     if is_call(node, aten.square.default):
         return ctx.call(aten.pow.Tensor_Scalar, node.args[0], 2)
     if is_call(node, aten.mul.Tensor) and len(node.args) == 2 and node.args[0] is node.args[1]:

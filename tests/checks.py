@@ -73,8 +73,9 @@ def check_fusion(
         _backward(expected, seed=1)
         _backward(actual, seed=1)
         for a, e in zip(_grads(fn, fast_inputs), _grads(eager_fn, eager_inputs), strict=True):
-            assert a is not None and e is not None
-            assert_close(a, e, dtype)
+            assert (a is None) == (e is None), "a gradient exists in one run only"
+            if e is not None:
+                assert_close(a, e, dtype)
     return report
 
 

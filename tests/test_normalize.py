@@ -82,3 +82,24 @@ def test_real_casts_and_active_dropout_stay():
     _, fired, targets = normalized(lambda x: F.dropout(x.half(), 0.1, True), torch.rand(2, 2))
     assert aten.dropout.default in targets and aten.to.dtype in targets
     assert sum(fired.values()) == 0
+
+
+@pytest.mark.parametrize(
+    "fn,x",
+    [
+        (lambda x: x**2.0, torch.arange(6).view(2, 3)),
+        (lambda x: x * x, torch.tensor([True, False])),
+        (lambda x: x / 3.0, torch.rand(4)),
+        (lambda x: x / 1e39, torch.rand(4)),
+        (lambda x: torch.ops.aten._to_copy(x, dtype=torch.float32), torch.rand(4)),
+    ],
+    ids=["int-pow-float", "bool-square", "div-by-3", "div-by-huge", "to_copy-same-dtype"],
+)
+def test_rules_leave_spellings_that_differ_in_result_alone(fn, x):
+    graph, fired, _ = normalized(fn, x)
+    assert sum(fired.values()) == 0, fired
+    result = graph(x)
+    assert result.dtype == fn(x).dtype
+    assert torch.equal(result, fn(x))
+    if fn(x).data_ptr() != x.data_ptr():  # a copy must stay a copy
+        assert result.data_ptr() != x.data_ptr()

@@ -159,6 +159,9 @@ def _normalize_reference(s: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tens
 def _forward_reference(
     x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
 ):
+    # contiguous inputs give contiguous outputs, as the fake implementation promises
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     if has_prologue(residual, branch_bias, p):
         total = reference_sum(x, residual, branch_bias, seed, stream, p, sum_dtype)
         normalized = total
@@ -281,24 +284,24 @@ def _backward_reference(
     grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
     residual_dtype, bias_dtype, branch_bias_dtype,
 ):  # fmt: skip
-    s = saved.float()
-    mean = mean.unsqueeze(-1) if not rms else None
-    rstd = rstd.unsqueeze(-1)
+    n = saved.shape[-1]
+    s = saved.reshape(-1, n).float()
+    mean = mean.reshape(-1, 1) if not rms else None
+    rstd = rstd.reshape(-1, 1)
     xhat = s * rstd if rms else (s - mean) * rstd
-    dy = grad_out.float()
+    dy = grad_out.reshape(-1, n).float()
     g = dy * weight.float() if weight is not None else dy
     ds = g - xhat * (g * xhat).mean(-1, keepdim=True)
     if not rms:
         ds = ds - g.mean(-1, keepdim=True)
     ds = ds * rstd
     if grad_sum is not None:
-        ds = ds + grad_sum.float()
+        ds = ds + grad_sum.reshape(-1, n).float()
     dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
     shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
-    rows = tuple(range(s.dim() - 1))
-    values = (dx, ds, (dy * xhat).sum(rows), dy.sum(rows), dx.sum(rows))
+    values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))
     return tuple(
-        v.to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)
+        v.reshape(shape).to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)
         for v, (shape, dtype) in zip(values, shapes, strict=True)
     )
 

@@ -16,6 +16,7 @@ from torch.fx import Node
 
 from seqcompile.fx_utils import (
     arg,
+    barrier_between,
     erase_unused,
     insert_getitem,
     is_call,
@@ -93,8 +94,11 @@ def _rms_norm_core(node: Node) -> Core | Reject | None:
     return _last_dims(node, shape) or Core(node, node.args[0], weight, None, eps, True, [])
 
 
-def _strip_cast(node: object) -> object:
-    return node.args[0] if is_call(node, aten.to.dtype) else node
+def _strip_widening(node: object) -> object:
+    """The source of a cast to float32 (which loses nothing); any other node unchanged."""
+    if is_call(node, aten.to.dtype) and arg(node, 1, "dtype") == torch.float32:
+        return node.args[0]
+    return node
 
 
 def _is_last_dim(dims: object, ndim: int) -> bool:
@@ -119,7 +123,7 @@ def _handwritten_rms_core(node: Node) -> Core | Reject | None:
     square = mean.args[0]
     if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
         return None
-    if _strip_cast(square.args[0]) is not _strip_cast(h):
+    if _strip_widening(square.args[0]) is not _strip_widening(h):
         return None
     value = tensor_val(h)
     dims, keepdim = arg(mean, 1, "dim"), arg(mean, 2, "keepdim", False)
@@ -127,18 +131,21 @@ def _handwritten_rms_core(node: Node) -> Core | Reject | None:
         return None
     if not _is_last_dim(dims, value.dim()):
         return Reject("RMSNorm written out averages over dims {}; the kernel takes the last", dims)
-    casts = [n for n in (square.args[0], h) if n is not _strip_cast(h)]
-    core = Core(
-        node, _strip_cast(h), None, None, float(eps), True, [add, mean, square, rsqrt, *casts]
-    )
-    # An affine epilogue: an optional cast, then a multiply by a weight over the last dim.
+    source = _strip_widening(h)
+    casts = [n for n in (square.args[0], h) if n is not source]
+    core = Core(node, source, None, None, float(eps), True, [add, mean, square, rsqrt, *casts])
+    # An affine epilogue: an optional cast, then a multiply by a weight over the last dim. The
+    # kernel rounds once, to the output dtype, so a cast to anything narrower than the output
+    # (which eager rounds to first) keeps the epilogue out of the fused op.
     follower, cast = only_user(node), None
     if is_call(follower, aten.to.dtype):
         follower, cast = only_user(follower), follower
     if is_call(follower, aten.mul.Tensor) and len(follower.args) == 2:
         scaled = cast or node
         other = follower.args[1] if follower.args[0] is scaled else follower.args[0]
-        if is_row_vector(tensor_val(other), value):
+        cast_dtype = arg(cast, 1, "dtype") if cast is not None else torch.float32
+        exact = cast_dtype in (torch.float32, tensor_val(follower).dtype)
+        if exact and is_row_vector(tensor_val(other), value):
             core.nodes += [node] + ([cast] if cast is not None else [])
             core.out, core.weight = follower, other
     return core
@@ -159,7 +166,7 @@ def _foldable_bias(node: Node) -> bool:
     if len(node.users) != 1:
         return False
     if is_call(node, aten.linear.default):
-        return arg(node, 2, "bias") is not None
+        return is_row_vector(tensor_val(arg(node, 2, "bias")), tensor_val(node))
     return _bias_operands(node) is not None
 
 
@@ -322,9 +329,19 @@ class NormPattern:
                 continue
             if isinstance(core, Reject):
                 return core
+            order = node_order(node.graph)
+            if barrier_between(min([core.out, *core.nodes], key=order.__getitem__), core.out):
+                return Reject("grad mode, autocast or an in-place op changes inside the norm")
             prologue = _read_prologue(core.input)
-            if not _inputs_precede(core, _other_readers(core, prologue)):
-                prologue = Prologue(core.input)
+            if prologue.total is not None:
+                absorbed = [prologue.total, *prologue.nodes]
+                absorbed += [prologue.linear] if prologue.linear is not None else []
+                start = min(absorbed, key=order.__getitem__)
+                # the fused op reads the sum's inputs where the norm is: nothing may change between
+                if barrier_between(start, core.out) or not _inputs_precede(
+                    core, _other_readers(core, prologue)
+                ):
+                    prologue = Prologue(core.input)
             rejected = _check(core, prologue)
             return rejected or _rewrite(core, prologue, site_name(node))
         return None

@@ -202,3 +202,17 @@ def test_empty_rows_and_noncontiguous_inputs(impl):
     base = torch.randn(16, 10, requires_grad=True)
     inputs = dict(x=base.t(), residual=None, branch_bias=None, weight=weight, bias=None)
     run_and_compare(inputs, p=0.0, rms=True, dtype=torch.float32)
+
+
+def test_reference_outputs_are_contiguous_like_the_fake_ones():
+    x = torch.randn(16, 8).t()
+    residual = torch.randn(16, 8).t()
+    outputs = add_norm(
+        x, residual, None, None, None, None, 0, 0.0, 1e-5, False, torch.float32, torch.float32
+    )
+    assert all(t.is_contiguous() for t in outputs)
+    grads = torch.ops.seqfast.add_norm_backward(
+        torch.ones(1, 1).expand(8, 16), None, outputs[1], outputs[2], outputs[3], None, None,
+        0, 0.0, False, torch.float32, torch.float32, None, None,
+    )  # fmt: skip
+    assert all(t.is_contiguous() for t in grads)

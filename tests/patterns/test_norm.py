@@ -11,7 +11,7 @@ from seqcompile.demo import HandwrittenRMSNorm
 
 
 def rand(*shape, dtype=torch.float32, grad=True):
-    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+    return torch.randn(shape, dtype=dtype).requires_grad_(grad)
 
 
 class AddNorm(nn.Module):
@@ -228,3 +228,89 @@ def test_refuses_dropout_that_drops_everything():
     check_fusion(
         fn, [rand(2, 8), rand(2, 8)], counts={"norm": 0}, missed=["p=1.0 drops every element"]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# computation must not move across grad-mode switches or in-place ops
+
+
+def test_sum_computed_under_no_grad_is_not_folded():
+    w = rand(16)
+
+    def fn(x, y):
+        with torch.no_grad():
+            s = x + y
+        return F.layer_norm(s, (16,), w)
+
+    check_fusion(fn, [rand(3, 16), rand(3, 16)], counts={"norm": 1})
+
+
+def test_sum_read_under_no_grad_before_the_norm_is_not_folded():
+    w = rand(16)
+
+    def fn(x, y):
+        s = x + y
+        with torch.no_grad():
+            t = s * 2
+        return F.layer_norm(s, (16,), w), t
+
+    check_fusion(fn, [rand(3, 16), rand(3, 16)], counts={"norm": 1})
+
+
+def test_operand_mutated_between_the_add_and_the_norm_is_not_folded():
+    def fn(x, y):
+        t = y * 3
+        s = x + t
+        t.zero_()
+        return F.layer_norm(s, (16,)), t
+
+    check_fusion(fn, [rand(3, 16), rand(3, 16)], counts={"norm": 1})
+
+
+def test_handwritten_rms_norm_spanning_a_grad_mode_switch_is_refused():
+    def fn(x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        with torch.no_grad():
+            scale = torch.rsqrt(variance + 1e-6)
+        return x * scale
+
+    check_fusion(
+        fn, [rand(3, 16)], counts={"norm": 0}, missed=["grad mode, autocast or an in-place op"]
+    )
+
+
+@pytest.mark.parametrize("bias_shape", [(), (1,)], ids=["0d", "1"])
+def test_linear_bias_that_is_not_a_row_vector_stays_in_the_linear(interpret, bias_shape):
+    w, b = rand(16, 16), rand(*bias_shape)
+    norm = nn.LayerNorm(16)
+
+    def fn(x, h):
+        return norm(x + F.linear(h, w, b))
+
+    check_fusion(fn, [rand(3, 16), rand(3, 16)], counts={"norm": 1})
+
+
+def test_one_dimensional_inputs():
+    norm = nn.LayerNorm(24)
+    check_fusion(lambda x, y: norm(x + y), [rand(24), rand(24)], counts={"norm": 1})
+
+
+def test_llama_norm_with_narrowing_cast_keeps_the_weight_multiply_outside(tmp_path):
+    """bf16 activations, float32 weight: eager rounds to bf16 before the weight multiply, which the
+    kernel (rounding once, at the end) would not do; so only the normalization is fused."""
+    weight = rand(32)
+
+    def fn(x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * h.to(torch.bfloat16)
+
+    check_fusion(
+        fn,
+        [rand(4, 32, dtype=torch.bfloat16)],
+        counts={"norm": 1},
+        dtype=torch.bfloat16,
+        options={"dump_dir": str(tmp_path)},
+    )
+    fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
+    assert "aten.mul.Tensor" in fused and "aten.to.dtype" in fused
