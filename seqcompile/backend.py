@@ -58,10 +58,15 @@ class GraphCompile:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def dump(self, stage: str, gm: GraphModule) -> None:
-        """Write the graph after `stage` as readable Python, numbered in the order written."""
+    def dump(self, stage: str, gm: GraphModule | str) -> None:
+        """Write the graph after `stage` (or generated code) as readable Python, numbered in the
+        order written."""
         if self.dump_dir is not None:
-            text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+            text = (
+                gm
+                if isinstance(gm, str)
+                else gm.print_readable(print_output=False, include_stride=True, include_device=True)
+            )
             (self.dump_dir / f"{self._dumped:02d}_{stage}.py").write_text(text)
             self._dumped += 1
 
@@ -131,6 +136,8 @@ def plan_memory(
     forward, backward = partition(
         joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
     )
+    state.dump("plan_memory_forward", forward)
+    state.dump("plan_memory_backward", backward)
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
     state.report.memory.append(MemoryPlan(state.name, strategy, count, total, fused))
     return forward, backward
@@ -145,9 +152,13 @@ def lower(
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
-        return compile_fx_inner(
+        compiled = compile_fx_inner(
             gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
         )
+        source = getattr(compiled, "source_code", None)
+        if isinstance(source, str):
+            state.dump(f"lower_{kind}_inductor_code", source)
+        return compiled
     return make_boxed_func(gm.forward)
 
 
