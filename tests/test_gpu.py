@@ -9,6 +9,7 @@ from conftest import TOLERANCES
 
 import seqcompile.ops.norm as norm_op
 from seqcompile.demo import GPT, GPTConfig, train
+from seqcompile.ops import norm_reference
 from seqcompile.report import collecting
 
 pytestmark = pytest.mark.gpu
@@ -27,17 +28,15 @@ def test_kernels_match_the_reference(dtype, width, rms, p):
     bias = None if rms else bias
     seed = torch.tensor(1234, device=cuda)
     args = (x, residual, branch_bias, weight, bias, seed, 5, p, 1e-5, rms, dtype, torch.float32)
-    kernels = norm_op._forward_kernels(*args)
-    reference = norm_op._forward_reference(*args)
+    kernels = norm_op.forward_kernels(*args)
+    reference = norm_reference.forward(*args)
     for k, r in zip(kernels, reference, strict=True):
         torch.testing.assert_close(k, r, **TOLERANCES[dtype if k.dtype == dtype else torch.float32])
     grad_out = torch.randn_like(kernels[0])
     grad_sum = torch.randn_like(kernels[1])
     bargs = (grad_out, grad_sum, kernels[1], kernels[2], kernels[3], weight, seed, 5, p, rms, dtype,
              dtype, None if rms else torch.float32, torch.float32)  # fmt: skip
-    for k, r in zip(
-        norm_op._backward_kernels(*bargs), norm_op._backward_reference(*bargs), strict=True
-    ):
+    for k, r in zip(norm_op.backward_kernels(*bargs), norm_reference.backward(*bargs), strict=True):
         tol = TOLERANCES[dtype] if k.dim() == 2 else dict(atol=1e-1, rtol=1e-2)
         torch.testing.assert_close(k, r, **tol)
 

@@ -1,5 +1,6 @@
 """The fused residual + normalization operator `seqfast::add_norm` and its backward
-`seqfast::add_norm_backward`: schema, fake and reference implementations, kernel launch, autograd.
+`seqfast::add_norm_backward`: schema, fake implementation, kernel launch, autograd; the reference
+implementation lives in `norm_reference.py`.
 
 With every input but `x` optional, the forward computes
 
@@ -18,16 +19,12 @@ import triton
 
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
-from seqcompile.ops.random import keep_mask
+from seqcompile.ops import norm_reference as reference
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384
 """Widest normalized dimension the kernels take: a whole row lives in registers."""
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def has_prologue(residual: Tensor | None, branch_bias: Tensor | None, p: float) -> bool:
-    return residual is not None or branch_bias is not None or p > 0
 
 
 def forward_spec(
@@ -79,11 +76,6 @@ def backward_specs(
 COLUMN_SUM = KernelSpec.of("column_sum")
 
 
-def needs_residual_grad(p: float, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> bool:
-    """Whether the residual's gradient differs from the branch's (otherwise one tensor serves)."""
-    return p > 0 or x_dtype != residual_dtype
-
-
 # --------------------------------------------------------------------------------------------
 # forward
 
@@ -106,10 +98,10 @@ def add_norm(
     if p > 0 and seed is None:
         raise ValueError("seqfast::add_norm: dropout p > 0 needs a seed tensor")
     if runtime.use_kernels(x):
-        return _forward_kernels(
+        return forward_kernels(
             x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
         )
-    return _forward_reference(
+    return reference.forward(
         x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
     )
 
@@ -117,62 +109,13 @@ def add_norm(
 @add_norm.register_fake
 def _(x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype):
     out = x.new_empty(x.shape, dtype=out_dtype)
-    if has_prologue(residual, branch_bias, p):
+    if reference.has_prologue(residual, branch_bias, p):
         total = x.new_empty(x.shape, dtype=sum_dtype)
     else:
         total = x.new_empty((0,), dtype=sum_dtype)
     rows = x.shape[:-1]
     mean = x.new_empty((0,) if rms else rows, dtype=torch.float32)
     return out, total, mean, x.new_empty(rows, dtype=torch.float32)
-
-
-def reference_sum(
-    x: Tensor,
-    residual: Tensor | None,
-    branch_bias: Tensor | None,
-    seed: Tensor | None,
-    stream: int,
-    p: float,
-    sum_dtype: torch.dtype,
-) -> Tensor:
-    s = x.float()
-    if branch_bias is not None:
-        s = s + branch_bias.float()
-    if p > 0:
-        s = torch.where(keep_mask(seed, x.shape, stream, p), s / (1.0 - p), 0.0)
-    if residual is not None:
-        s = s + residual.float()
-    return s.to(sum_dtype)
-
-
-def _normalize_reference(s: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (xhat, mean, rstd) of the float32 rows of `s`; `mean` is empty for RMSNorm."""
-    if rms:
-        rstd = torch.rsqrt(s.square().mean(-1) + eps)
-        return s * rstd.unsqueeze(-1), s.new_empty((0,)), rstd
-    mean = s.mean(-1)
-    centered = s - mean.unsqueeze(-1)
-    rstd = torch.rsqrt(centered.square().mean(-1) + eps)
-    return centered * rstd.unsqueeze(-1), mean, rstd
-
-
-def _forward_reference(
-    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
-):
-    # contiguous inputs give contiguous outputs, as the fake implementation promises
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    if has_prologue(residual, branch_bias, p):
-        total = reference_sum(x, residual, branch_bias, seed, stream, p, sum_dtype)
-        normalized = total
-    else:
-        total, normalized = x.new_empty((0,), dtype=sum_dtype), x
-    y, mean, rstd = _normalize_reference(normalized.float(), eps, rms)
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype), total, mean, rstd
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -183,13 +126,13 @@ def _num_warps(block_n: int) -> int:
     return min(max(block_n // 256, 1), 16)
 
 
-def _forward_kernels(
+def forward_kernels(
     x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
 ):
     n = x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
-    prologue = has_prologue(residual, branch_bias, p)
+    prologue = reference.has_prologue(residual, branch_bias, p)
     out = runtime.empty((m, n), out_dtype, x.device)
     total = runtime.empty((m, n) if prologue else (0,), sum_dtype, x.device)
     mean = runtime.empty((0,) if rms else (m,), torch.float32, x.device)
@@ -253,64 +196,29 @@ def add_norm_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dresidual, dweight, dbias, dbranch_bias); absent ones are empty. `dresidual` is
     empty also when it would equal `dx` (no dropout, same dtype)."""
-    impl = _backward_kernels if runtime.use_kernels(saved) else _backward_reference
+    impl = backward_kernels if runtime.use_kernels(saved) else reference.backward
     return impl(
         grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
         residual_dtype, bias_dtype, branch_bias_dtype,
     )  # fmt: skip
 
 
-def _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p):
-    """(shape, dtype) of each output of the backward; shape (0,) marks an absent one."""
-    n = saved.shape[-1]
-    residual_grad = residual_dtype is not None and needs_residual_grad(p, x_dtype, residual_dtype)
-    return (
-        (saved.shape, x_dtype),
-        (saved.shape if residual_grad else (0,), residual_dtype or x_dtype),
-        ((n,), weight.dtype) if weight is not None else ((0,), x_dtype),
-        ((n,), bias_dtype) if bias_dtype is not None else ((0,), x_dtype),
-        ((n,), branch_bias_dtype) if branch_bias_dtype is not None else ((0,), x_dtype),
-    )
-
-
 @add_norm_backward.register_fake
 def _(grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
       residual_dtype, bias_dtype, branch_bias_dtype):  # fmt: skip
-    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    shapes = reference.grad_shapes(
+        saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p
+    )
     return tuple(saved.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
 
 
-def _backward_reference(
+def backward_kernels(
     grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
     residual_dtype, bias_dtype, branch_bias_dtype,
 ):  # fmt: skip
-    n = saved.shape[-1]
-    s = saved.reshape(-1, n).float()
-    mean = mean.reshape(-1, 1) if not rms else None
-    rstd = rstd.reshape(-1, 1)
-    xhat = s * rstd if rms else (s - mean) * rstd
-    dy = grad_out.reshape(-1, n).float()
-    g = dy * weight.float() if weight is not None else dy
-    ds = g - xhat * (g * xhat).mean(-1, keepdim=True)
-    if not rms:
-        ds = ds - g.mean(-1, keepdim=True)
-    ds = ds * rstd
-    if grad_sum is not None:
-        ds = ds + grad_sum.reshape(-1, n).float()
-    dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
-    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
-    values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))
-    return tuple(
-        v.reshape(shape).to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)
-        for v, (shape, dtype) in zip(values, shapes, strict=True)
+    shapes = reference.grad_shapes(
+        saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p
     )
-
-
-def _backward_kernels(
-    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-    residual_dtype, bias_dtype, branch_bias_dtype,
-):  # fmt: skip
-    shapes = _grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
     dx, dres, dweight, dbias, dbranch_bias = (
         runtime.empty(tuple(shape), dtype, saved.device) for shape, dtype in shapes
     )
@@ -376,7 +284,7 @@ def _backward_kernels(
 def _setup_context(ctx, inputs, output):
     x, residual, branch_bias, weight, bias, seed, stream, p, _eps, rms, _out, _sum_dtype = inputs
     _out_tensor, total, mean, rstd = output
-    prologue = has_prologue(residual, branch_bias, p)
+    prologue = reference.has_prologue(residual, branch_bias, p)
     ctx.mark_non_differentiable(mean, rstd)
     if not prologue:
         ctx.mark_non_differentiable(total)
@@ -407,7 +315,7 @@ def _backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
     if residual_dtype is None:
         dresidual = None
     else:
-        dresidual = dres if needs_residual_grad(p, x_dtype, residual_dtype) else dx
+        dresidual = dres if reference.needs_residual_grad(p, x_dtype, residual_dtype) else dx
     return (
         dx,
         dresidual,

@@ -28,6 +28,7 @@ from seqcompile.fx_utils import (
     tensor_val,
 )
 from seqcompile.ops import norm as norm_op
+from seqcompile.ops import norm_reference
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 
 aten = torch.ops.aten
@@ -312,7 +313,7 @@ def _prepare_kernels(
         specs += norm_op.backward_specs(
             sum_grad=sum_read,
             residual_grad=residual is not None
-            and norm_op.needs_residual_grad(prologue.p, x_dtype, residual.dtype),
+            and norm_reference.needs_residual_grad(prologue.p, x_dtype, residual.dtype),
             branch_bias=prologue.branch_bias is not None,
             **flags,
         )

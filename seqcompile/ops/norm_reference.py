@@ -1,0 +1,112 @@
+"""Reference implementation of the fused residual + normalization (`seqfast::add_norm` and its
+backward) in plain ATen: the test oracle and what runs on CPU tensors. Computes in float32 and
+draws dropout masks from the same Philox numbers as the kernels.
+
+    sum = residual + dropout(x + branch_bias, p)        rounded to `sum_dtype`
+    out = norm(sum) * weight + bias                      LayerNorm or RMSNorm over the last dim
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqcompile.ops.random import keep_mask
+
+Tensor = torch.Tensor
+
+
+def has_prologue(residual: Tensor | None, branch_bias: Tensor | None, p: float) -> bool:
+    return residual is not None or branch_bias is not None or p > 0
+
+
+def needs_residual_grad(p: float, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> bool:
+    """Whether the residual's gradient differs from the branch's (otherwise one tensor serves)."""
+    return p > 0 or x_dtype != residual_dtype
+
+
+def grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p):
+    """(shape, dtype) of each output of the backward; shape (0,) marks an absent one."""
+    n = saved.shape[-1]
+    residual_grad = residual_dtype is not None and needs_residual_grad(p, x_dtype, residual_dtype)
+    return (
+        (saved.shape, x_dtype),
+        (saved.shape if residual_grad else (0,), residual_dtype or x_dtype),
+        ((n,), weight.dtype) if weight is not None else ((0,), x_dtype),
+        ((n,), bias_dtype) if bias_dtype is not None else ((0,), x_dtype),
+        ((n,), branch_bias_dtype) if branch_bias_dtype is not None else ((0,), x_dtype),
+    )
+
+
+def _sum(
+    x: Tensor,
+    residual: Tensor | None,
+    branch_bias: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    sum_dtype: torch.dtype,
+) -> Tensor:
+    s = x.float()
+    if branch_bias is not None:
+        s = s + branch_bias.float()
+    if p > 0:
+        s = torch.where(keep_mask(seed, x.shape, stream, p), s / (1.0 - p), 0.0)
+    if residual is not None:
+        s = s + residual.float()
+    return s.to(sum_dtype)
+
+
+def _normalize(s: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (xhat, mean, rstd) of the float32 rows of `s`; `mean` is empty for RMSNorm."""
+    if rms:
+        rstd = torch.rsqrt(s.square().mean(-1) + eps)
+        return s * rstd.unsqueeze(-1), s.new_empty((0,)), rstd
+    mean = s.mean(-1)
+    centered = s - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centered.square().mean(-1) + eps)
+    return centered * rstd.unsqueeze(-1), mean, rstd
+
+
+def forward(
+    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
+):
+    # contiguous inputs give contiguous outputs, as the fake implementation promises
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    if has_prologue(residual, branch_bias, p):
+        total = _sum(x, residual, branch_bias, seed, stream, p, sum_dtype)
+        normalized = total
+    else:
+        total, normalized = x.new_empty((0,), dtype=sum_dtype), x
+    y, mean, rstd = _normalize(normalized.float(), eps, rms)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype), total, mean, rstd
+
+
+def backward(
+    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
+    residual_dtype, bias_dtype, branch_bias_dtype,
+):  # fmt: skip
+    n = saved.shape[-1]
+    s = saved.reshape(-1, n).float()
+    mean = mean.reshape(-1, 1) if not rms else None
+    rstd = rstd.reshape(-1, 1)
+    xhat = s * rstd if rms else (s - mean) * rstd
+    dy = grad_out.reshape(-1, n).float()
+    g = dy * weight.float() if weight is not None else dy
+    ds = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not rms:
+        ds = ds - g.mean(-1, keepdim=True)
+    ds = ds * rstd
+    if grad_sum is not None:
+        ds = ds + grad_sum.reshape(-1, n).float()
+    dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
+    shapes = grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))
+    return tuple(
+        v.reshape(shape).to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)
+        for v, (shape, dtype) in zip(values, shapes, strict=True)
+    )
