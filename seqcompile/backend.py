@@ -212,6 +212,8 @@ def seqfast(
         gm = stage(gm, state)
         state.dump(stage.__name__, gm)
     compiled = differentiate(gm, state)
+    # The lazily compiled backward keeps `state` alive: drop the first call's inputs from it.
+    state.example_inputs, state.fake_inputs = (), []
     state.report.graphs.append(state.name)
     state.write_report()
     publish(state.report)
