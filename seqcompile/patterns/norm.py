@@ -245,25 +245,27 @@ def _other_readers(core: Core, prologue: Prologue) -> list[Node]:
     return [u for u in prologue.total.users if u is not core.out and u not in core.nodes]
 
 
-def _insertion_point(core: Core, readers: list[Node]) -> Node:
-    order = node_order(core.out.graph)
-    return min([core.out, *readers], key=order.__getitem__)
+def _placement(
+    core: Core, prologue: Prologue, order: dict[Node, int]
+) -> tuple[list[Node], Node] | None:
+    """The other readers of the sum and the node the fused op goes before (the first reader of
+    its outputs); None when the norm's parameters only exist after that point (they could be
+    computed after another reader of the sum)."""
+    readers = _other_readers(core, prologue)
+    point = min([core.out, *readers], key=order.__getitem__)
+    parameters = [n for n in (core.weight, core.bias) if isinstance(n, Node)]
+    if any(order[n] >= order[point] for n in parameters):
+        return None
+    return readers, point
 
 
-def _inputs_precede(core: Core, readers: list[Node]) -> bool:
-    """The fused op goes before the first reader of its outputs; its parameters must exist there
-    (they could be computed after another reader of the sum)."""
-    order = node_order(core.out.graph)
-    point = order[_insertion_point(core, readers)]
-    return all(order[n] < point for n in (core.weight, core.bias) if isinstance(n, Node))
-
-
-def _rewrite(core: Core, prologue: Prologue, site: str) -> Rewrite:
+def _rewrite(
+    core: Core, prologue: Prologue, readers: list[Node], point: Node, site: str
+) -> Rewrite:
     def apply(ctx: FuseContext) -> Node:
         graph = ctx.gm.graph
         out_val = tensor_val(core.out)
-        readers = _other_readers(core, prologue)
-        with graph.inserting_before(_insertion_point(core, readers)):
+        with graph.inserting_before(point):
             x = prologue.x
             if prologue.linear is not None:
                 x = ctx.call(aten.linear.default, *prologue.linear.args[:2])
@@ -334,15 +336,15 @@ class NormPattern:
             if barrier_between(min([core.out, *core.nodes], key=order.__getitem__), core.out):
                 return Reject("grad mode, autocast or an in-place op changes inside the norm")
             prologue = _read_prologue(core.input)
+            placement = _placement(core, prologue, order)
             if prologue.total is not None:
                 absorbed = [prologue.total, *prologue.nodes]
                 absorbed += [prologue.linear] if prologue.linear is not None else []
                 start = min(absorbed, key=order.__getitem__)
                 # the fused op reads the sum's inputs where the norm is: nothing may change between
-                if barrier_between(start, core.out) or not _inputs_precede(
-                    core, _other_readers(core, prologue)
-                ):
+                if barrier_between(start, core.out) or placement is None:
                     prologue = Prologue(core.input)
+                    placement = _placement(core, prologue, order)
             rejected = _check(core, prologue)
-            return rejected or _rewrite(core, prologue, site_name(node))
+            return rejected or _rewrite(core, prologue, *placement, site_name(node))
         return None
