@@ -22,6 +22,7 @@ from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
 
+import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 from seqcompile import capture as capture_mod
 from seqcompile.memory import estimate

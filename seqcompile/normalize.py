@@ -130,12 +130,78 @@ def _rsqrt_spellings(node: Node, ctx: RuleContext) -> Node | None:
     return None
 
 
+def _bmm_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
+    """`bmm(a, b)` is `matmul(a, b)` on 3-D operands; `baddbmm(c, a, b)` with unit factors is
+    `matmul(a, b) + c`."""
+    if is_call(node, aten.bmm.default):
+        return ctx.call(aten.matmul.default, *node.args[:2])
+    if is_call(node, aten.baddbmm.default):
+        beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
+        if beta == 1 and alpha == 1:
+            product = ctx.call(aten.matmul.default, node.args[1], node.args[2])
+            return ctx.call(aten.add.Tensor, product, node.args[0])
+    return None
+
+
+def _einsum_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
+    """A two-operand `einsum` that is a batched matrix product (shared batch letters, one free
+    letter per operand, one contracted letter) becomes permutes around `matmul`, e.g.
+    `bhqd,bhkd->bhqk` is `q @ k.transpose(-1, -2)`."""
+    if not is_call(node, aten.einsum.default) or len(node.args[1]) != 2:
+        return None
+    plan = _einsum_plan(node.args[0])
+    if plan is None:
+        return None
+    left_order, right_order, out_order = plan
+    a, b = (
+        _permuted(ctx, operand, order)
+        for operand, order in zip(node.args[1], (left_order, right_order), strict=True)
+    )
+    return _permuted(ctx, ctx.call(aten.matmul.default, a, b), out_order)
+
+
+def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int]] | None:
+    """Permutations taking the operands to (batch..., m, k) and (batch..., k, n), and the product
+    (batch..., m, n) to the output's letter order; None if `equation` is not a batched matmul."""
+    equation = equation.replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    inputs, out = equation.split("->")
+    if inputs.count(",") != 1:
+        return None
+    left, right = inputs.split(",")
+    if any(len(set(s)) != len(s) for s in (left, right, out)):
+        return None
+    batch = [c for c in out if c in left and c in right]
+    m = [c for c in out if c in left and c not in right]
+    n = [c for c in out if c in right and c not in left]
+    k = [c for c in left if c in right and c not in out]
+    if len(m) != 1 or len(n) != 1 or len(k) != 1:
+        return None
+    if len(left) != len(batch) + 2 or len(right) != len(batch) + 2:
+        return None
+    product = batch + m + n
+    return (
+        [left.index(c) for c in batch + m + k],
+        [right.index(c) for c in batch + k + n],
+        [product.index(c) for c in out],
+    )
+
+
+def _permuted(ctx: RuleContext, node: Node, order: list[int]) -> Node:
+    if order == sorted(order):
+        return node
+    return ctx.call(aten.permute.default, node, order)
+
+
 RULES: list[Rule] = [
     Rule("drop_inactive_dropout", _drop_inactive_dropout),
     Rule("one_cast_spelling", _one_cast_spelling),
     Rule("div_by_constant", _div_by_constant),
     Rule("square_as_pow", _square_as_pow),
     Rule("rsqrt_spellings", _rsqrt_spellings),
+    Rule("bmm_as_matmul", _bmm_as_matmul),
+    Rule("einsum_as_matmul", _einsum_as_matmul),
 ]
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
 from seqcompile.patterns.norm import NormPattern
 
-FAMILIES = ("norm",)
+FAMILIES = ("attention", "norm")
 """Report keys of the built-in families; user patterns may not take these names."""
 
 
 def builtin_patterns() -> list[Pattern]:
-    return [NormPattern()]
+    return [AttentionPattern(), NormPattern()]

@@ -1,0 +1,318 @@
+"""The fused attention operator `seqfast::attention` and its backward `seqfast::attention_backward`:
+schema, fake implementation, kernel launch, autograd; the reference lives in
+`attention_reference.py`, which also states the semantics.
+
+    out = dropout(softmax(where(mask, q @ k^T * scale + bias, masked_value), causal), p) @ v
+
+q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
+except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
+h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 4-D
+(batch, heads, length, head_dim) views. `bias` (float, may require grad) and `mask` (bool, True
+where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero
+strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. Returns
+`(out, row_max, log_sum)`; the backward saves q, k, v, out and the two per-row statistics, never the
+probabilities, and regenerates the dropout mask from the seed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from seqcompile import runtime
+from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.ops import attention_reference as reference
+from seqcompile.ops.attention_layout import Layout
+
+Tensor = torch.Tensor
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def forward_spec(*, bias: bool, mask: bool, dropout: bool, causal: bool) -> KernelSpec:
+    return KernelSpec.of("attention_fwd", bias=bias, mask=mask, dropout=dropout, causal=causal)
+
+
+def backward_specs(
+    *, bias: bool, mask: bool, dropout: bool, causal: bool, bias_grad: bool
+) -> list[KernelSpec]:
+    flags = dict(bias=bias, mask=mask, dropout=dropout, causal=causal)
+    return [
+        DELTA,
+        KernelSpec.of("attention_bwd_dkdv", **flags),
+        KernelSpec.of("attention_bwd_dq", bias_grad=bias_grad, **flags),
+    ]
+
+
+DELTA = KernelSpec.of("attention_bwd_delta")
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+
+
+@torch.library.custom_op("seqfast::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    scale: float,
+    causal: bool,
+    masked_value: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    layout = _checked_layout(q, k, v, bias, mask, seed, p)
+    impl = forward_kernels if runtime.use_kernels(q) else reference.forward
+    out, row_max, log_sum = impl(
+        *_operands4(layout, q, k, v, bias, mask), seed, stream, p, scale, causal, masked_value
+    )
+    return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
+
+
+@attention.register_fake
+def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
+    layout = Layout.of(q, k, v)
+    rows = (layout.batch, layout.heads, q.shape[-2])
+    return (
+        q.new_empty((*layout.result_batch, q.shape[-2], v.shape[-1])),
+        q.new_empty(rows, dtype=torch.float32),
+        q.new_empty(rows, dtype=torch.float32),
+    )
+
+
+def _operands4(layout: Layout, q, k, v, bias, mask) -> list[Tensor | None]:
+    """q, k, v, bias and mask as the 4-D views the implementations take."""
+    return [
+        layout.to4(q, layout.heads),
+        layout.to4(k, layout.kv_heads),
+        layout.to4(v, layout.kv_heads),
+        *(layout.to4(t) if t is not None else None for t in (bias, mask)),
+    ]
+
+
+def _checked_layout(q, k, v, bias, mask, seed, p) -> Layout:
+    """The operands' layout; errors a caller can act on, raised before any kernel runs."""
+    layout = Layout.of(q, k, v)
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"seqfast::attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
+    scores = layout.scores_shape(q, k)
+    for name, t in (("bias", bias), ("mask", mask)):
+        if t is not None and torch.broadcast_shapes(t.shape, scores) != torch.Size(scores):
+            raise ValueError(
+                f"seqfast::attention: {name} of shape {tuple(t.shape)} does not broadcast to the "
+                f"scores {scores}"
+            )
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"seqfast::attention: mask must be bool, got {mask.dtype}")
+    if bias is not None and not bias.is_floating_point():
+        raise ValueError(f"seqfast::attention: bias must be floating point, got {bias.dtype}")
+    if p > 0 and seed is None:
+        raise ValueError("seqfast::attention: dropout p > 0 needs a seed tensor")
+    return layout
+
+
+def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
+    return (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of `t` broadcast to the 4-D `shape` (zero along broadcast dimensions)."""
+    return tuple(t.expand(shape).stride()) if t is not None else ()
+
+
+def _blocks(q: Tensor) -> dict[str, int]:
+    head_dim = q.shape[-1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if q.device.type != "cuda":  # the interpreter runs each program in Python: small tiles
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
+    if block_d <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+
+
+def _backward_blocks(q: Tensor) -> dict[str, int]:
+    blocks = _blocks(q)
+    if q.device.type == "cuda":
+        small = blocks["BLOCK_D"] <= 64
+        blocks.update(BLOCK_M=64 if small else 32, BLOCK_N=64, num_stages=2 if small else 1)
+    return blocks
+
+
+def _dot_precision(q: Tensor) -> str:
+    if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _same_dtype(q: Tensor, *others: Tensor) -> list[Tensor]:
+    return [t if t.dtype == q.dtype else t.to(q.dtype) for t in others]
+
+
+def _common_args(q, k, v, bias, mask, masked_value, scale) -> tuple[list, list]:
+    """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
+    shape = _scores_shape(q, k)
+    pointers = [t for t in (bias, mask) if t is not None]
+    strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
+    strides += [*_strides4(mask, shape)] + ([_finite(masked_value)] if mask is not None else [])
+    scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
+    return pointers, scalars
+
+
+def _finite(value: float) -> float:
+    """A masked value the kernel can hold: -inf stays, finite values clamp to float32's range."""
+    if value == -math.inf:
+        return value
+    limit = torch.finfo(torch.float32).max
+    return max(-limit, min(limit, value))
+
+
+def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
+    k, v = _same_dtype(q, k, v)
+    b, h, lq, d = q.shape
+    out = runtime.empty((b, h, lq, d), q.dtype, q.device)
+    row_max = runtime.empty((b, h, lq), torch.float32, q.device)
+    log_sum = runtime.empty((b, h, lq), torch.float32, q.device)
+    if out.numel() == 0:
+        return out, row_max, log_sum
+    if k.shape[2] == 0:  # no keys: every row is empty
+        return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
+    spec = forward_spec(bias=bias is not None, mask=mask is not None, dropout=p > 0, causal=causal)
+    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
+    blocks = _blocks(q)
+    grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
+    kernel_function(spec)[grid](
+        q, k, v, *pointers, *([seed] if p > 0 else []), out, row_max, log_sum,
+        *scalars, *((p, stream) if p > 0 else ()),
+        HEAD_DIM=d, DOT_PRECISION=_dot_precision(q), **blocks,
+    )  # fmt: skip
+    return out, row_max, log_sum
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+
+
+@torch.library.custom_op("seqfast::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    row_max: Tensor,
+    log_sum: Tensor,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    seed: Tensor | None,
+    stream: int,
+    p: float,
+    scale: float,
+    causal: bool,
+    masked_value: float,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
+    `bias_grad`."""
+    layout = Layout.of(q, k, v)
+    impl = backward_kernels if runtime.use_kernels(q) else reference.backward
+    q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
+    dq, dk, dv, dbias = impl(
+        layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
+        log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad,
+    )  # fmt: skip
+    grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
+    return (*grads, layout.from4(dbias, bias) if bias_grad else dbias)
+
+
+@attention_backward.register_fake
+def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
+      masked_value, bias_grad):  # fmt: skip
+    dbias = (
+        bias.new_empty(bias.shape)
+        if bias_grad
+        else q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
+    )
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def backward_kernels(
+    grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
+    masked_value, bias_grad,
+):  # fmt: skip
+    k_in, v_in = k, v
+    k, v, grad_out = _same_dtype(q, k, v, grad_out)
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    b, h, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    dq = runtime.empty(q.shape, q.dtype, q.device)
+    dk = runtime.empty(k.shape, q.dtype, q.device)
+    dv = runtime.empty(v.shape, q.dtype, q.device)
+    shape = _scores_shape(q, k)
+    dbias_full = None
+    if bias_grad:
+        make = torch.zeros if causal else runtime.empty
+        dbias_full = make(shape, dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or lk == 0:
+        for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
+            t.zero_()
+    else:
+        blocks = _backward_blocks(q)
+        delta = runtime.empty((b, h, lq), torch.float32, q.device)
+        block_r = 16
+        kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
+            grad_out, out, delta, b * h * lq,
+            HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
+        )  # fmt: skip
+        flags = dict(bias=bias is not None, mask=mask is not None, dropout=p > 0, causal=causal)
+        _delta, dkdv_spec, dq_spec = backward_specs(bias_grad=bias_grad, **flags)
+        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
+        seed_args = [seed] if p > 0 else []
+        dropout_args = (p, stream) if p > 0 else ()
+        constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q), **blocks)
+        kernel_function(dkdv_spec)[(triton.cdiv(lk, blocks["BLOCK_N"]) * b * kv_heads,)](
+            q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dk, dv,
+            *scalars, *dropout_args, **constants,
+        )  # fmt: skip
+        kernel_function(dq_spec)[(triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)](
+            q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dq,
+            *([dbias_full] if bias_grad else []), *scalars, *dropout_args, **constants,
+        )  # fmt: skip
+    if bias_grad:
+        dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
+    return dq, dk.to(k_in.dtype), dv.to(v_in.dtype), dbias
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value = inputs
+    out, row_max, log_sum = output
+    ctx.mark_non_differentiable(row_max, log_sum)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed)
+    ctx.config = (stream, p, scale, causal, masked_value)
+
+
+def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
+    if grad_out is None:
+        return (None,) * 11
+    q, k, v, out, row_max, log_sum, bias, mask, seed = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
+        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad
+    )
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 7
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,76 @@
+"""How `seqfast::attention` sees its operands: any batch dimensions that broadcast (heads, the third
+dimension from the end, may also group as SDPA's `enable_gqa`) become the 4-D
+(batch, heads, length, head_dim) views the kernels and the reference work on, and gradients go back
+to the operands' own shapes by summing over what was broadcast."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _padded(t: Tensor, dims: int) -> Tensor:
+    return t.view((1,) * (dims - t.dim()) + tuple(t.shape)) if t.dim() < dims else t
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dims: int
+    """Rank every operand is padded to (at least 4)."""
+    outer: tuple[int, ...]
+    """Broadcast batch dimensions before the heads; flattened into the 4-D batch."""
+    heads: int
+    kv_heads: int
+    result_batch: tuple[int, ...]
+    """Batch dimensions of the eager result (before its last two)."""
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor) -> Layout:
+        if q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
+            raise ValueError(
+                f"seqfast::attention needs (..., length, head_dim) operands; got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        same_dim = q.shape[-1] == k.shape[-1] == v.shape[-1]
+        if k.shape[-2] != v.shape[-2] or not same_dim:
+            raise ValueError(
+                f"seqfast::attention: k and v must have the same length, and q, k, v the same "
+                f"head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        batch_dims = max(q.dim(), k.dim(), v.dim()) - 2
+        dims = max(batch_dims, 2) + 2
+        qp, kp, vp = (_padded(t, dims) for t in (q, k, v))
+        kv_batch = torch.broadcast_shapes(kp.shape[:-2], vp.shape[:-2])
+        q_heads, kv_heads = qp.shape[-3], kv_batch[-1]
+        heads = kv_heads if q_heads == 1 else q_heads
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(
+                f"seqfast::attention: query heads ({q_heads}) must be a multiple of key/value "
+                f"heads ({kv_heads})"
+            )
+        outer = tuple(torch.broadcast_shapes(qp.shape[:-3], kv_batch[:-1]))
+        full = (*outer, heads)
+        return cls(dims, outer, heads, kv_heads, full[len(full) - batch_dims :])
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.outer)
+
+    def scores_shape(self, q: Tensor, k: Tensor) -> tuple[int, ...]:
+        return (*self.result_batch, q.shape[-2], k.shape[-2])
+
+    def to4(self, t: Tensor, heads: int | None = None) -> Tensor:
+        """`t` as a 4-D view (batch, heads, rows, cols); `heads` expands a single head."""
+        t = _padded(t, self.dims)
+        own_heads = t.shape[-3] if heads is None else heads
+        t = t.expand(*self.outer, own_heads, *t.shape[-2:])
+        return t.reshape(self.batch, *t.shape[-3:])
+
+    def from4(self, grad: Tensor, like: Tensor) -> Tensor:
+        """A 4-D gradient summed back to the shape of the operand `like`."""
+        grad = grad.reshape(*self.outer, *grad.shape[1:])
+        return grad.sum_to_size(_padded(like, self.dims).shape).reshape(like.shape)

@@ -1,0 +1,128 @@
+"""Reference implementation of `seqfast::attention` and its backward in plain ATen: the test oracle
+for the kernels and what runs on CPU without the interpreter.
+
+It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
+the kernels follow: scores `q @ k^T * scale + bias`, positions the boolean `mask` rejects take
+`masked_value`, positions above the diagonal (causal) take -inf, then softmax and dropout. A row
+whose every score is -inf gives zero output and zero gradients (as torch's SDPA defines it); a row
+filled with a finite `masked_value` averages over all keys (as eager softmax does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from seqcompile.ops.random import keep_mask
+
+Tensor = torch.Tensor
+
+
+def expand_heads(t: Tensor, heads: int) -> Tensor:
+    """Key/value heads repeated for the query heads that share them (grouped-query attention)."""
+    group = heads // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def causal_keep(rows: int, cols: int, device: torch.device) -> Tensor:
+    """Top-left aligned lower triangle: query i sees keys j <= i."""
+    i = torch.arange(rows, device=device)[:, None]
+    j = torch.arange(cols, device=device)[None, :]
+    return j <= i
+
+
+def scores(
+    q: Tensor,
+    k: Tensor,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    scale: float,
+    causal: bool,
+    masked_value: float,
+) -> tuple[Tensor, Tensor]:
+    """float32 scores after bias, mask and causal, and where each query may attend."""
+    s = q.float() @ expand_heads(k, q.shape[1]).float().transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.float()
+    attend = torch.ones((), dtype=torch.bool, device=q.device).expand(s.shape)
+    if mask is not None:
+        s = s.masked_fill(~mask, masked_value)
+        attend = attend & mask
+    if causal:
+        keep = causal_keep(s.shape[-2], s.shape[-1], q.device)
+        s = s.masked_fill(~keep, -math.inf)
+        attend = attend & keep
+    return s, attend
+
+
+def row_statistics(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row max and log of the sum of `exp(s - max)`; (0, +inf) for rows of -inf only, so that
+    `exp(s - max - log_sum)` is the softmax and is 0 on such rows."""
+    row_max = s.amax(-1)
+    empty = row_max == -math.inf
+    row_max = row_max.masked_fill(empty, 0.0)
+    log_sum = torch.log(torch.exp(s - row_max[..., None]).sum(-1)).masked_fill(empty, math.inf)
+    return row_max, log_sum
+
+
+def probabilities(s: Tensor, row_max: Tensor, log_sum: Tensor) -> Tensor:
+    return torch.exp(s - row_max[..., None] - log_sum[..., None])
+
+
+def dropout_scale(
+    shape: torch.Size, seed: Tensor | None, stream: int, p: float, device: torch.device
+) -> Tensor | None:
+    """Per-score multiplier of dropout (0 or 1/(1-p)); offsets are flat indices in `shape`."""
+    if p == 0:
+        return None
+    keep = keep_mask(seed.to(device), shape, stream, p)
+    return keep.float() / (1.0 - p)
+
+
+def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
+    s, _ = scores(q, k, bias, mask, scale, causal, masked_value)
+    row_max, log_sum = row_statistics(s)
+    prob = probabilities(s, row_max, log_sum)
+    drop = dropout_scale(s.shape, seed, stream, p, q.device)
+    if drop is not None:
+        prob = prob * drop
+    out = prob @ expand_heads(v, q.shape[1]).float()
+    return out.to(q.dtype).contiguous(), row_max, log_sum
+
+
+def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
+    """Gradient per query head summed over the query heads that share a key/value head."""
+    b, h, length, d = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, length, d).sum(2)
+
+
+def backward(
+    grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
+    masked_value, bias_grad,
+):  # fmt: skip
+    s, attend = scores(q, k, bias, mask, scale, causal, masked_value)
+    prob = probabilities(s, row_max, log_sum)
+    drop = dropout_scale(s.shape, seed, stream, p, q.device)
+    dropped = prob if drop is None else prob * drop
+    do = grad_out.float()
+    heads, kv_heads = q.shape[1], k.shape[1]
+    dv = dropped.transpose(-1, -2) @ do
+    dp = do @ expand_heads(v, heads).float().transpose(-1, -2)
+    if drop is not None:
+        dp = dp * drop
+    delta = (do * out.float()).sum(-1, keepdim=True)
+    ds = torch.where(attend, prob * (dp - delta), 0.0)
+    dq = ds @ expand_heads(k, heads).float() * scale
+    dk = ds.transpose(-1, -2) @ q.float() * scale
+    dbias = (
+        ds.sum_to_size(bias.shape).to(bias.dtype)
+        if bias_grad
+        else q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
+    )
+    return (
+        dq.to(q.dtype),
+        _sum_heads(dk, kv_heads).to(k.dtype),
+        _sum_heads(dv, kv_heads).to(v.dtype),
+        dbias.contiguous(),
+    )

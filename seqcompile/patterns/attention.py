@@ -1,0 +1,452 @@
+"""The attention family: `F.scaled_dot_product_attention` and attention written out with matmul and
+softmax become one `seqfast::attention`.
+
+The written-out form is read from the softmax outward, as independent features rather than
+enumerated variants: below the softmax, casts and dropout up to the `probs @ v` matmul; above it,
+the scores' chain back to `q @ k^T`, where each link is a scale (multiply or divide by a constant),
+an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), or a cast; on the
+matmul's operands, a constant scale on q or k. A boolean mask built by `tril`/`triu` of ones is
+recognized as causal and not read at all. `bmm`, `baddbmm` and `einsum` arrive here as `matmul`
+(see normalize.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from seqcompile.fx_utils import (
+    arg,
+    barrier_between,
+    erase_unused,
+    insert_getitem,
+    is_call,
+    node_order,
+    site_name,
+    tensor_val,
+)
+from seqcompile.ops import attention as attention_op
+from seqcompile.ops.attention_layout import Layout
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+
+aten = torch.ops.aten
+FAMILY = "attention"
+_CASTS = (aten.to.dtype,)
+_SHAPE_VIEWS = (
+    aten.view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.expand.default,
+)
+
+
+@dataclasses.dataclass
+class Site:
+    """One attention in the graph, read into the fused op's arguments."""
+
+    out: Node
+    """The node whose value the fused op replaces (the `probs @ v` matmul, or the SDPA call)."""
+    q: Node
+    k: Node
+    """Keys as (..., Lk, D); for written-out attention a transpose is inserted when needed."""
+    v: Node
+    k_transposed: bool = False
+    """`k` is the matmul's (..., D, Lk) operand and needs transposing back."""
+    scale: float = 1.0
+    biases: list[tuple[Node, float]] = dataclasses.field(default_factory=list)
+    """Additive float biases with the factor later scales apply to each."""
+    keep: list[tuple[Node, bool]] = dataclasses.field(default_factory=list)
+    """Boolean masks with whether True means keep (False: True means masked)."""
+    masked_value: float | None = None
+    causal: bool = False
+    p: float = 0.0
+    grouped_heads: bool = False
+    """SDPA's `enable_gqa`: k and v carry fewer heads than q."""
+    nodes: list[Node] = dataclasses.field(default_factory=list)
+    """Written-out nodes the fused op replaces."""
+
+
+# ---------------------------------------------------------------------------------------------
+# reading scaled_dot_product_attention
+
+
+def _read_sdpa(node: Node) -> Site | Reject | None:
+    if not is_call(node, aten.scaled_dot_product_attention.default):
+        return None
+    q, k, v = node.args[:3]
+    site = Site(out=node, q=q, k=k, v=v)
+    site.p = float(arg(node, 4, "dropout_p", 0.0))
+    site.causal = bool(arg(node, 5, "is_causal", False))
+    site.grouped_heads = bool(node.kwargs.get("enable_gqa", False))
+    scale = node.kwargs.get("scale")
+    head_dim = tensor_val(q).shape[-1]
+    if scale is None:
+        if not isinstance(head_dim, int):
+            return Reject("head dim {} is dynamic; the default scale needs it fixed", head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+    site.scale = float(scale)
+    attn_mask = arg(node, 3, "attn_mask")
+    mask_val = tensor_val(attn_mask)
+    if mask_val is not None:
+        if mask_val.dtype == torch.bool:
+            site.keep.append((attn_mask, True))
+            site.masked_value = -math.inf
+        else:
+            site.biases.append((attn_mask, 1.0))
+    return site
+
+
+# ---------------------------------------------------------------------------------------------
+# reading attention written out
+
+
+def _constant(node: object) -> float | None:
+    """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`)."""
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, int | float):
+        return float(node)
+    if is_call(node, aten.scalar_tensor.default):
+        return float(node.args[0])
+    if is_call(node, aten.full.default) and list(node.args[0]) == []:
+        return _constant(node.args[1])
+    if is_call(node, aten.lift_fresh_copy.default, *_CASTS):
+        return _constant(node.args[0])
+    return None
+
+
+def _scale_factor(node: Node) -> tuple[Node, float] | None:
+    """(x, c) for `x * c`, `c * x` or `x / c` with a constant c."""
+    if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
+        for x, c in (node.args, node.args[::-1]):
+            if isinstance(x, Node) and _constant(c) is not None:
+                return x, _constant(c)
+    if is_call(node, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs:
+        c = _constant(node.args[1])
+        if isinstance(node.args[0], Node) and c:
+            return node.args[0], 1.0 / c
+    return None
+
+
+def _peel_views(node: object) -> object:
+    while is_call(node, *_SHAPE_VIEWS, *_CASTS, aten.slice.Tensor, aten.alias.default):
+        node = node.args[0]
+    return node
+
+
+def _ones(node: object) -> bool:
+    node = _peel_views(node)
+    if is_call(node, aten.ones.default, aten.ones_like.default):
+        return True
+    return is_call(node, aten.full.default) and _constant(node.args[1]) == 1.0
+
+
+def _is_causal(mask: object, keeps: bool, scores: torch.Tensor) -> bool:
+    """Whether the boolean `mask` is the causal triangle of the scores' last two dims:
+    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their negations and their
+    comparisons with 0."""
+    node = _peel_views(mask)
+    while True:
+        if is_call(node, aten.eq.Scalar) and node.args[1] == 0:
+            node, keeps = _peel_views(node.args[0]), not keeps
+        elif is_call(node, aten.ne.Scalar) and node.args[1] == 0:
+            node = _peel_views(node.args[0])
+        elif is_call(node, aten.bitwise_not.default, aten.logical_not.default):
+            node, keeps = _peel_views(node.args[0]), not keeps
+        else:
+            break
+    value = tensor_val(node)
+    if value is None or value.dim() < 2 or not _ones(node.args[0] if node.args else None):
+        return False
+    fits = statically_known_true(value.shape[-2] == scores.shape[-2]) and statically_known_true(
+        value.shape[-1] == scores.shape[-1]
+    )
+    diagonal = arg(node, 1, "diagonal", 0)
+    if keeps and is_call(node, aten.tril.default):
+        return fits and diagonal == 0
+    if not keeps and is_call(node, aten.triu.default):
+        return fits and diagonal == 1
+    return False
+
+
+Link = tuple
+"""One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node),
+("mask", node, keeps, value) or ("cast",)."""
+
+
+def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
+    """What `node` does to the scores, and the operands that may continue the chain upward."""
+    if is_call(node, *_CASTS):
+        return ("cast",), [node.args[0]]
+    factor = _scale_factor(node)
+    if factor is not None and factor[1] != 0:
+        return ("scale", factor[1]), [factor[0]]
+    if is_call(node, aten.add.Tensor) and arg(node, 2, "alpha", 1) == 1:
+        return ("add",), [a for a in node.args[:2] if isinstance(a, Node)]
+    if is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        value = _constant(node.args[2])
+        if value is None:
+            return Reject("masked_fill with a tensor value; the kernel fills with a constant")
+        return ("mask", node.args[1], False, value), [node.args[0]]
+    if is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+        cond, a, b = node.args[:3]
+        if _constant(b) is not None and isinstance(a, Node):
+            return ("mask", cond, True, _constant(b)), [a]
+        if _constant(a) is not None and isinstance(b, Node):
+            return ("mask", cond, False, _constant(a)), [b]
+        return Reject("where() between two tensors on the scores; the kernel fills a constant")
+    return None
+
+
+def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Reject | None:
+    """From the softmax's input up to the `q @ k^T` matmul, collecting links (latest first)."""
+    if is_call(node, aten.matmul.default):
+        return node
+    step = _link(node)
+    if step is None or isinstance(step, Reject):
+        return step
+    link, operands = step
+    if link[0] == "add":
+        for above, bias in (operands, operands[::-1]):
+            found = _walk_scores(above, sub_links := [], sub_nodes := [])
+            bias_val = tensor_val(bias)
+            if isinstance(found, Node) and bias_val is not None and bias_val.is_floating_point():
+                links += [("bias", bias), *sub_links]
+                nodes += [node, *sub_nodes]
+                return found
+        return None
+    links.append(link)
+    nodes.append(node)
+    return _walk_scores(operands[0], links, nodes)
+
+
+def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
+    """From the softmax down to `probs @ v`: (that matmul, dropout p, nodes passed)."""
+    node, p, nodes = softmax, 0.0, [softmax]
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return Reject(
+                "the attention probabilities are read outside the attention (returned as "
+                "attention weights?); the fused kernel never forms them"
+            )
+        user = users[0]
+        if is_call(user, aten.matmul.default) and user.args[0] is node:
+            return user, p, nodes
+        if is_call(user, *_CASTS):
+            pass
+        elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
+            p = float(arg(user, 1, "p"))
+        else:
+            return None
+        nodes.append(user)
+        node = user
+
+
+def _operand_scale(node: Node) -> tuple[Node, float]:
+    """An operand of `q @ k^T` without a constant scale that only it uses."""
+    factor = _scale_factor(node)
+    if factor is not None and len(node.users) == 1:
+        return factor
+    return node, 1.0
+
+
+def _is_last_two_swap(node: Node) -> bool:
+    if not is_call(node, aten.transpose.int):
+        return False
+    rank = tensor_val(node).dim()
+    return {d % rank for d in node.args[1:3]} == {rank - 2, rank - 1}
+
+
+def _read_written_out(softmax: Node) -> Site | Reject | None:
+    if not is_call(softmax, aten.softmax.int, aten._softmax.default):
+        return None
+    below = _walk_probabilities(softmax)
+    if below is None or isinstance(below, Reject):
+        return below
+    pv, p, prob_nodes = below
+    dim, rank = softmax.args[1], tensor_val(softmax).dim()
+    if dim % rank != rank - 1:
+        return Reject("softmax over dim {}, not the key dimension (the last)", dim)
+    links, score_nodes = [], []
+    qk = _walk_scores(softmax.args[0], links, score_nodes)
+    if qk is None:
+        return Reject("the scores pass through an op the kernel does not apply")
+    if isinstance(qk, Reject):
+        return qk
+    q, q_scale = _operand_scale(qk.args[0])
+    k_t, k_scale = _operand_scale(qk.args[1])
+    site = Site(out=pv, q=q, k=k_t, v=pv.args[1], scale=q_scale * k_scale, p=p)
+    if _is_last_two_swap(k_t) and len(k_t.users) == 1:
+        site.k, k_scale_inner = _operand_scale(k_t.args[0])
+        site.scale *= k_scale_inner
+        site.nodes.append(k_t)
+    else:
+        site.k_transposed = True
+    site.nodes += [qk, *score_nodes, *prob_nodes]
+    return _apply_links(site, list(reversed(links)), tensor_val(qk))
+
+
+def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | Reject:
+    """Fold the links, in forward order, into the site's scale, biases and masks. A scale after a
+    bias or a fill scales that bias or value too."""
+    factor_so_far = 1.0
+    biases, fills = [], []
+    for link in links:
+        if link[0] == "scale":
+            factor_so_far *= link[1]
+        elif link[0] == "bias":
+            biases.append((link[1], factor_so_far))
+        elif link[0] == "mask":
+            _, mask, keeps, value = link
+            if _is_causal(mask, keeps, scores):
+                site.causal = True
+            else:
+                site.keep.append((mask, keeps))
+                fills.append((value, factor_so_far))
+    site.scale *= factor_so_far
+    site.biases = [(bias, factor_so_far / at) for bias, at in biases]
+    values = {value * factor_so_far / at if math.isfinite(value) else value for value, at in fills}
+    if len(values) > 1:
+        return Reject("masks fill different values {}; the kernel fills one", sorted(values))
+    if values:
+        site.masked_value = values.pop()
+    return site
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and rewrite
+
+
+def _check(site: Site) -> Reject | None:
+    q, k, v = (tensor_val(n) for n in (site.q, site.k, site.v))
+    if site.k_transposed:
+        k = k.transpose(-1, -2)
+    for t in (q, k, v):
+        if t.dtype not in attention_op.DTYPES:
+            return Reject("dtype {} is not supported (float32, float16, bfloat16)", t.dtype)
+        if t.device.type not in ("cpu", "cuda"):
+            return Reject("device {} has neither kernels nor a reference here", t.device)
+    head_dim = q.shape[-1]
+    if not isinstance(head_dim, int):
+        return Reject("head dim {} is dynamic; the kernel needs it fixed", head_dim)
+    if head_dim > attention_op.MAX_HEAD_DIM:
+        return Reject("head dim {} > {}", head_dim, attention_op.MAX_HEAD_DIM)
+    if v.shape[-1] != head_dim:
+        return Reject("value head dim {} differs from the key head dim {}", v.shape[-1], head_dim)
+    try:
+        layout = Layout.of(q, k, v)
+    except ValueError as refused:
+        return Reject("{}", refused)
+    scores = layout.scores_shape(q, k)
+    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep]:
+        shape = tensor_val(node).shape
+        try:
+            fits = tuple(torch.broadcast_shapes(shape, scores)) == tuple(scores)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return Reject(
+                "mask or bias of shape {} does not broadcast to the scores {}", shape, scores
+            )
+    if site.p >= 1:
+        return Reject("dropout p={} drops every probability", site.p)
+    order = node_order(site.out.graph)
+    if site.nodes and barrier_between(min(site.nodes, key=order.__getitem__), site.out):
+        return Reject("grad mode, autocast or an in-place op changes inside the attention")
+    return None
+
+
+def _combined_bias(ctx: FuseContext, site: Site) -> Node | None:
+    total = None
+    for bias, factor in site.biases:
+        if factor != 1.0:
+            bias = ctx.call(aten.mul.Tensor, bias, factor)
+        total = bias if total is None else ctx.call(aten.add.Tensor, total, bias)
+    return total
+
+
+def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
+    """One boolean mask, True where a query may attend."""
+    total = None
+    for mask, keeps in site.keep:
+        if not keeps:
+            inverted = is_call(mask, aten.bitwise_not.default, aten.logical_not.default)
+            mask = mask.args[0] if inverted else ctx.call(aten.logical_not.default, mask)
+        total = mask if total is None else ctx.call(aten.logical_and.default, total, mask)
+    return total
+
+
+def _rewrite(site: Site, name: str) -> Rewrite:
+    def apply(ctx: FuseContext) -> Node:
+        graph = ctx.gm.graph
+        out_val = tensor_val(site.out)
+        with graph.inserting_before(site.out):
+            k = ctx.call(aten.transpose.int, site.k, -2, -1) if site.k_transposed else site.k
+            bias, mask = _combined_bias(ctx, site), _combined_mask(ctx, site)
+            seed = ctx.seed(out_val.device) if site.p > 0 else None
+            stream = ctx.next_stream() if site.p > 0 else 0
+            masked_value = site.masked_value if site.masked_value is not None else -math.inf
+            fused = ctx.call(
+                torch.ops.seqfast.attention.default,
+                site.q, k, site.v, bias, mask, seed, stream, site.p, site.scale, site.causal,
+                masked_value,
+            )  # fmt: skip
+            out = insert_getitem(graph, fused, 0)
+            if tensor_val(out).dtype != out_val.dtype:
+                out = ctx.call(aten.to.dtype, out, out_val.dtype)
+        site.out.replace_all_uses_with(out)
+        erase_unused([site.out, *site.nodes, *_mask_builders(site)])
+        _prepare_kernels(ctx, site, bias, mask, name)
+        return fused
+
+    return apply
+
+
+def _mask_builders(site: Site) -> list[Node]:
+    """Nodes that built masks the fused op no longer reads (a causal triangle), erased when
+    nothing else uses them."""
+    found, frontier = [], [n for n in site.nodes if is_call(n, *_MASKING)]
+    for node in frontier:
+        found += [a for a in node.all_input_nodes if a.op == "call_function" and a not in found]
+    index = 0
+    while index < len(found) and len(found) < 64:
+        found += [a for a in found[index].all_input_nodes if a.op == "call_function"]
+        index += 1
+    return found
+
+
+_MASKING = (
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+)  # fmt: skip
+
+
+def _prepare_kernels(
+    ctx: FuseContext, site: Site, bias: Node | None, mask: Node | None, name: str
+) -> None:
+    flags = dict(
+        bias=bias is not None, mask=mask is not None, dropout=site.p > 0, causal=site.causal
+    )
+    specs = [attention_op.forward_spec(**flags)]
+    if ctx.training:
+        bias_val = tensor_val(bias)
+        bias_grad = bias_val is not None and bias_val.requires_grad
+        specs += attention_op.backward_specs(bias_grad=bias_grad, **flags)
+    ctx.kernels(specs, name)
+
+
+class AttentionPattern:
+    family = FAMILY
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        site = _read_sdpa(node)
+        if site is None:
+            site = _read_written_out(node)
+        if site is None or isinstance(site, Reject):
+            return site
+        return _check(site) or _rewrite(site, site_name(site.out))
