@@ -100,7 +100,13 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in state.example_inputs
     )
-    ctx = FuseContext(gm, state.fake_mode, state.report, state.name, training)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    grad_inputs = frozenset(
+        node
+        for node, example in zip(placeholders, state.example_inputs, strict=False)
+        if isinstance(example, torch.Tensor) and example.requires_grad
+    )
+    ctx = FuseContext(gm, state.fake_mode, state.report, state.name, training, grad_inputs)
     run_patterns(builtin_patterns(), ctx)
     return gm
 

@@ -72,11 +72,14 @@ def insert_call(
     return node
 
 
+def source_meta(node: Node) -> dict[str, Any]:
+    """The metadata that says where `node` came from: its source line and module path."""
+    return {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+
+
 def insert_getitem(graph: Graph, node: Node, index: int) -> Node:
     item = graph.call_function(operator.getitem, (node, index))
-    item.meta.update(
-        {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
-    )
+    item.meta.update(source_meta(node))
     item.meta["val"] = val(node)[index]
     return item
 
@@ -90,6 +93,19 @@ def erase_unused(nodes: Iterable[Node]) -> None:
     for node in sorted(nodes, key=order.__getitem__, reverse=True):
         if not node.users and node.op != "placeholder":
             node.graph.erase_node(node)
+
+
+def depends_on(node: Any, sources: frozenset[Node]) -> bool:
+    """Whether `node` is one of `sources` or computed from one."""
+    seen, stack = set(), [node] if isinstance(node, Node) else []
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return False
 
 
 def node_order(graph: Graph) -> dict[Node, int]:
@@ -113,6 +129,8 @@ def is_barrier(node: Node) -> bool:
         return False
     if node.target in _STATE_CHANGES:
         return True
+    if node.target is aten.detach_.default:  # changes autograd metadata only, never values
+        return False
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
 

@@ -15,19 +15,24 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import arg, erase_unused, insert_call, is_call, tensor_val
+from seqcompile.fx_utils import arg, erase_unused, insert_call, is_call, source_meta, tensor_val
 
 aten = torch.ops.aten
 Rewrite = Callable[[Node, "RuleContext"], Node | None]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RuleContext:
     gm: GraphModule
     fake_mode: Any
+    site: Node | None = None
+    """The node being rewritten; new nodes inherit its source location."""
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
-        return insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
+        node = insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
+        if self.site is not None:
+            node.meta.update(source_meta(self.site))
+        return node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +220,7 @@ def normalize_graph(gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES) 
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
+            ctx.site = node
             for rule in rules:
                 with gm.graph.inserting_before(node):
                     replacement = rule.rewrite(node, ctx)

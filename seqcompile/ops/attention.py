@@ -67,6 +67,7 @@ def attention(
     masked_value: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     layout = _checked_layout(q, k, v, bias, mask, seed, p)
+    masked_value = _finite(masked_value)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask), seed, stream, p, scale, causal, masked_value
@@ -160,7 +161,7 @@ def _common_args(q, k, v, bias, mask, masked_value, scale) -> tuple[list, list]:
     shape = _scores_shape(q, k)
     pointers = [t for t in (bias, mask) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
-    strides += [*_strides4(mask, shape)] + ([_finite(masked_value)] if mask is not None else [])
+    strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars
 
@@ -221,6 +222,7 @@ def attention_backward(
     """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
     `bias_grad`."""
     layout = Layout.of(q, k, v)
+    masked_value = _finite(masked_value)
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
     q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
     dq, dk, dv, dbias = impl(

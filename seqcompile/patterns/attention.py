@@ -114,8 +114,14 @@ def _constant(node: object) -> float | None:
         return float(node.args[0])
     if is_call(node, aten.full.default) and list(node.args[0]) == []:
         return _constant(node.args[1])
-    if is_call(node, aten.lift_fresh_copy.default, *_CASTS):
+    if is_call(
+        node, aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default, *_CASTS
+    ):
         return _constant(node.args[0])
+    if isinstance(node, Node) and node.op == "get_attr":
+        value = getattr(node.graph.owning_module, node.target, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            return float(value.item())
     return None
 
 
@@ -288,29 +294,27 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     else:
         site.k_transposed = True
     site.nodes += [qk, *score_nodes, *prob_nodes]
-    return _apply_links(site, list(reversed(links)), tensor_val(qk))
+    return _apply_links(site, links, tensor_val(qk))
 
 
 def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | Reject:
-    """Fold the links, in forward order, into the site's scale, biases and masks. A scale after a
-    bias or a fill scales that bias or value too."""
-    factor_so_far = 1.0
-    biases, fills = [], []
+    """Fold the links (latest first, from the softmax up) into the site's scale, biases and
+    masks: a scale after a bias or a fill scales that bias or value too."""
+    factor_after = 1.0
+    values = set()
     for link in links:
         if link[0] == "scale":
-            factor_so_far *= link[1]
+            factor_after *= link[1]
         elif link[0] == "bias":
-            biases.append((link[1], factor_so_far))
+            site.biases.append((link[1], factor_after))
         elif link[0] == "mask":
             _, mask, keeps, value = link
             if _is_causal(mask, keeps, scores):
                 site.causal = True
             else:
                 site.keep.append((mask, keeps))
-                fills.append((value, factor_so_far))
-    site.scale *= factor_so_far
-    site.biases = [(bias, factor_so_far / at) for bias, at in biases]
-    values = {value * factor_so_far / at if math.isfinite(value) else value for value, at in fills}
+                values.add(value * factor_after if math.isfinite(value) else value)
+    site.scale *= factor_after
     if len(values) > 1:
         return Reject("masks fill different values {}; the kernel fills one", sorted(values))
     if values:
@@ -434,9 +438,7 @@ def _prepare_kernels(
     )
     specs = [attention_op.forward_spec(**flags)]
     if ctx.training:
-        bias_val = tensor_val(bias)
-        bias_grad = bias_val is not None and bias_val.requires_grad
-        specs += attention_op.backward_specs(bias_grad=bias_grad, **flags)
+        specs += attention_op.backward_specs(bias_grad=ctx.requires_grad(bias), **flags)
     ctx.kernels(specs, name)
 
 

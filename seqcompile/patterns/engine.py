@@ -12,7 +12,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen import KernelSpec, prepare_kernel
-from seqcompile.fx_utils import insert_call, site_name
+from seqcompile.fx_utils import depends_on, insert_call, site_name, source_meta
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.report import CompileReport, Missed
 
@@ -54,6 +54,9 @@ class FuseContext:
     graph_name: str
     training: bool
     """Whether AOTAutograd will build a backward (so backward kernels are rendered too)."""
+    grad_inputs: frozenset[Node] = frozenset()
+    """Placeholders whose example inputs require grad (fake values in the pre-dispatch graph all
+    say `requires_grad=False`)."""
     site: Node | None = None
     """The anchor being rewritten; new nodes inherit its source location."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
@@ -62,10 +65,11 @@ class FuseContext:
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         node = insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
         if self.site is not None:
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in self.site.meta:
-                    node.meta[key] = self.site.meta[key]
+            node.meta.update(source_meta(self.site))
         return node
+
+    def requires_grad(self, node: Node | None) -> bool:
+        return self.training and node is not None and depends_on(node, self.grad_inputs)
 
     def seed(self, device: torch.device) -> Node:
         """The graph's seed tensor on `device`, drawn once per run from torch's generator."""

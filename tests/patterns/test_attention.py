@@ -1,0 +1,340 @@
+"""The attention family end to end: every spelling fuses into one seqfast::attention, its output
+and every gradient match eager (dropout off), dropout behaves like dropout, and near-misses are
+refused with the reason."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import check_fusion
+
+from seqcompile.report import collecting
+
+B, H, LQ, LK, D = 2, 2, 5, 7, 8
+MIN = torch.finfo(torch.float32).min
+
+
+def qkv(lq=LQ, lk=LK, heads=H, kv_heads=None, d=D, batch=B, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape):
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+
+    kv_heads = kv_heads or heads
+    return t(batch, heads, lq, d), t(batch, kv_heads, lk, d), t(batch, kv_heads, lk, d)
+
+
+def padding(lk=LK, batch=B, seed=1):
+    """A (B, 1, 1, Lk) boolean padding mask, True where a key is real; every row keeps key 0."""
+    keep = torch.rand(batch, 1, 1, lk, generator=torch.Generator().manual_seed(seed)) > 0.4
+    keep[..., 0] = True
+    return keep
+
+
+def fused(fn, inputs, **kwargs):
+    return check_fusion(fn, inputs, counts={"attention": 1}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention
+
+
+def test_sdpa_plain():
+    fused(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), qkv())
+
+
+def test_sdpa_boolean_padding_mask():
+    fused(
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        [*qkv(), padding()],
+    )
+
+
+def test_sdpa_float_mask_with_gradient():
+    bias = torch.randn(B, 1, LQ, LK).requires_grad_()
+    fused(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), [*qkv(), bias])
+
+
+def test_sdpa_causal_self_attention_and_explicit_scale():
+    fused(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+        qkv(lq=6, lk=6),
+    )
+
+
+def test_sdpa_grouped_query_heads():
+    fused(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        qkv(heads=4, kv_heads=2),
+    )
+
+
+def test_sdpa_three_dimensional_operands():
+    q, k, v = (t.detach().flatten(0, 1).requires_grad_() for t in qkv())
+    fused(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v])
+
+
+# ---------------------------------------------------------------------------------------------
+# written out: how the scores are formed and scaled
+
+
+def softmax_v(s, v):
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        lambda q, k: (q @ k.transpose(-1, -2)) / math.sqrt(D),
+        lambda q, k: torch.matmul(q, k.transpose(-2, -1)) * D**-0.5,
+        lambda q, k: (q / math.sqrt(D)) @ k.transpose(-1, -2),
+        lambda q, k: (q * D**-0.25) @ (k * D**-0.25).transpose(-1, -2),
+        lambda q, k: q @ k.transpose(-1, -2),
+        lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3,
+        lambda q, k: (q @ k.permute(0, 1, 3, 2)) / torch.full([], math.sqrt(D)),
+    ],
+    ids=["div", "mul", "scaled_q", "scaled_q_and_k", "unscaled", "einsum", "permute_tensor_div"],
+)
+def test_written_out_scores(spelling):
+    fused(lambda q, k, v: softmax_v(spelling(q, k), v), qkv())
+
+
+def test_einsum_with_heads_second():
+    def fn(q, k, v):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.3
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv())
+    fused(fn, [q, k, v])
+
+
+def test_bmm_on_flattened_heads_with_a_per_head_mask():
+    def fn(q, k, v, bias):
+        qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
+        s = torch.bmm(qf, kf.transpose(1, 2)) * D**-0.5 + bias
+        return torch.bmm(F.softmax(s, dim=-1), vf).view(B, H, LQ, D)
+
+    fused(fn, [*qkv(), torch.randn(B * H, LQ, LK)])
+
+
+def test_softmax_upcast_and_cast_back_in_half_precision():
+    def fn(q, k, v):
+        s = q @ k.transpose(-1, -2) / math.sqrt(D)
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+    fused(fn, qkv(dtype=torch.float16), dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# written out: masks and biases
+
+
+def test_additive_padding_mask_built_from_an_attention_mask():
+    def fn(q, k, v, attention_mask):
+        extended = (1.0 - attention_mask[:, None, None, :].float()) * MIN
+        return softmax_v(q @ k.transpose(-1, -2) / math.sqrt(D) + extended, v)
+
+    fused(fn, [*qkv(), padding().view(B, LK).long()])
+
+
+def test_learned_per_head_bias_gets_its_gradient():
+    bias = (torch.randn(1, H, LQ, LK) * 0.5).requires_grad_()
+    report = fused(lambda q, k, v, b: softmax_v(q @ k.transpose(-1, -2) + b, v), [*qkv(), bias])
+    (dq,) = [k for k in report.kernels if k.template == "attention_bwd_dq"]
+    assert dict(dq.key)["bias_grad"] is True
+
+
+def test_a_bias_that_needs_no_gradient_gets_none():
+    report = fused(
+        lambda q, k, v, b: softmax_v(q @ k.transpose(-1, -2) + b, v),
+        [*qkv(), torch.randn(B, 1, 1, LK)],
+    )
+    (dq,) = [k for k in report.kernels if k.template == "attention_bwd_dq"]
+    assert dict(dq.key)["bias_grad"] is False
+
+
+def test_bias_added_before_a_scale_is_scaled_with_the_scores():
+    bias = torch.randn(B, 1, LQ, LK).requires_grad_()
+    fused(lambda q, k, v, b: softmax_v((q @ k.transpose(-1, -2) + b) * 0.3, v), [*qkv(), bias])
+
+
+@pytest.mark.parametrize(
+    "apply_mask",
+    [
+        lambda s, keep: s.masked_fill(~keep, float("-inf")),
+        lambda s, keep: s.masked_fill(keep.logical_not(), MIN),
+        lambda s, keep: torch.where(keep, s, MIN),
+        lambda s, keep: torch.where(keep, s, torch.tensor(MIN)),
+        lambda s, keep: torch.where(~keep, MIN, s),
+    ],
+    ids=["masked_fill_inf", "masked_fill_min", "where_min", "where_tensor_min", "where_swapped"],
+)
+def test_boolean_masks(apply_mask):
+    def fn(q, k, v, keep):
+        return softmax_v(apply_mask(q @ k.transpose(-1, -2) / math.sqrt(D), keep), v)
+
+    full = torch.rand(B, 1, LQ, LK, generator=torch.Generator().manual_seed(3)) > 0.3
+    full[..., 0] = True
+    fused(fn, [*qkv(), full])
+
+
+@pytest.mark.parametrize(
+    "apply_causal",
+    [
+        lambda s, n: torch.where(torch.tril(torch.ones(n, n, dtype=torch.bool)), s, MIN),
+        lambda s, n: s.masked_fill(torch.triu(torch.ones(n, n), diagonal=1).bool(), -math.inf),
+        lambda s, n: s.masked_fill(torch.tril(torch.ones(n, n)).view(1, 1, n, n) == 0, -1e9),
+    ],
+    ids=["where_tril", "masked_fill_triu", "tril_eq_zero"],
+)
+def test_lower_triangle_is_read_as_causal(apply_causal):
+    def fn(q, k, v):
+        return softmax_v(apply_causal(q @ k.transpose(-1, -2) * 0.3, q.shape[-2]), v)
+
+    report = fused(fn, qkv(lq=6, lk=6))
+    (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
+    assert dict(forward.key) == dict(bias=False, mask=False, dropout=False, causal=True)
+
+
+def test_causal_with_a_padding_mask():
+    def fn(q, k, v, keep):
+        s = q @ k.transpose(-1, -2) * 0.3
+        s = s.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), -math.inf)
+        return softmax_v(s.masked_fill(~keep, -math.inf), v)
+
+    fused(fn, [*qkv(lq=6, lk=6), padding(lk=6)])
+
+
+def test_cross_attention_with_different_lengths():
+    q, _, _ = qkv(lq=3)
+    _, k, v = qkv(lk=9, seed=1)
+    fused(lambda q, k, v: softmax_v(q @ k.transpose(-1, -2) * 0.3, v), [q, k, v])
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.MultiheadAttention
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_with_key_padding(need_weights):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def fn(x, pad):
+        return mha(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0]
+
+    fused(fn, [x, pad])
+
+
+def test_multihead_attention_with_a_causal_float_mask():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    fused(lambda x: mha(x, x, x, attn_mask=causal, need_weights=False)[0], [x])
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout
+
+
+def written_out_dropout(q, k, v, p):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return F.dropout(torch.softmax(s, -1), p, training=True) @ v
+
+
+def sdpa_dropout(q, k, v, p):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("spelling", [written_out_dropout, sdpa_dropout], ids=["written", "sdpa"])
+def test_dropout_keeps_one_minus_p_scales_kept_and_backward_agrees(spelling):
+    # q = k = 0 makes every probability 1/lk; with v = I each output row shows its probabilities
+    # after dropout, and dv[b, j] is nonzero exactly where the backward kept (b, 0, j).
+    p, lk, batch = 0.25, 256, 4
+    q = torch.zeros(batch, 1, 1, lk, requires_grad=True)
+    k = torch.zeros(batch, 1, lk, lk)
+    v = torch.eye(lk).repeat(batch, 1, 1, 1).requires_grad_()
+    compiled = torch.compile(lambda q, k, v: spelling(q, k, v, p), backend="seqfast")
+    with collecting() as report:
+        torch.manual_seed(0)
+        out = compiled(q, k, v)
+    assert report.counts["attention"] == 1
+    rows = out.detach().view(batch, lk)
+    kept = rows != 0
+    assert torch.allclose(rows[kept], torch.full_like(rows[kept], 1 / (lk * (1 - p))))
+    ratio = kept.float().mean().item()
+    assert abs(ratio - (1 - p)) < 4 * math.sqrt(p * (1 - p) / kept.numel())
+    out.sum().backward()
+    assert torch.equal(v.grad.view(batch, lk, lk).abs().sum(-1) != 0, kept)
+
+
+def test_dropout_repeats_under_the_same_seed_and_changes_with_another():
+    q, k, v = qkv(lq=16, lk=16)
+    compiled = torch.compile(lambda q, k, v: written_out_dropout(q, k, v, 0.5), backend="seqfast")
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(compiled(q, k, v).detach())
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_returned_attention_weights_stay_unfused():
+    def fn(q, k, v):
+        probs = torch.softmax(q @ k.transpose(-1, -2) * 0.3, dim=-1)
+        return probs @ v, probs
+
+    check_fusion(fn, qkv(), counts={"attention": 0}, missed=["read outside the attention"])
+
+
+def test_softmax_over_another_dimension_stays_unfused():
+    def fn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-2) @ v
+
+    check_fusion(fn, qkv(lq=6, lk=6), counts={"attention": 0}, missed=["softmax over dim -2"])
+
+
+def test_head_dim_over_256_stays_unfused():
+    check_fusion(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        qkv(batch=1, heads=1, lq=3, lk=3, d=320),
+        counts={"attention": 0},
+        missed=["head dim 320 > 256"],
+    )
+
+
+def test_masked_fill_with_a_tensor_value_stays_unfused():
+    def fn(q, k, v, keep, value):
+        return softmax_v((q @ k.transpose(-1, -2)).masked_fill(~keep, value), v)
+
+    check_fusion(
+        fn,
+        [*qkv(), padding(), torch.tensor(-1e4)],
+        counts={"attention": 0},
+        missed=["masked_fill with a tensor value"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated kernels through the compiled path
+
+
+@pytest.mark.usefixtures("interpret")
+def test_compiled_attention_runs_the_kernels_under_the_interpreter():
+    def fn(q, k, v, keep, bias):
+        s = q @ k.transpose(-1, -2) / math.sqrt(D) + bias
+        return softmax_v(s.masked_fill(~keep, -math.inf), v)
+
+    bias = torch.randn(1, H, LQ, LK).requires_grad_()
+    report = fused(fn, [*qkv(), padding(), bias])
+    assert {k.template for k in report.kernels} >= {
+        "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq"
+    }  # fmt: skip
