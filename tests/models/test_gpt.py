@@ -7,6 +7,7 @@ import pytest
 import torch
 from checks import check_fusion
 from conftest import TOLERANCES
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile.demo import GPT, Block, GPTConfig, toy_batch, train
 from seqcompile.report import collecting
@@ -108,3 +109,42 @@ def test_training_loss_curve_tracks_eager():
     fast = train(fast_model, torch.compile(fast_model, backend="seqfast"), cfg, **kwargs)
     assert eager.losses[-1] < eager.losses[0]
     torch.testing.assert_close(fast.losses, eager.losses, atol=1e-4, rtol=1e-4)
+
+
+def kept_for_backward(model, idx, targets):
+    """Bytes of the distinct storages autograd saves during one training step, leaving out the
+    parameters, buffers and the batch itself (they live on regardless)."""
+    owned = [*model.parameters(), *model.buffers(), idx, targets]
+    lasting = {StorageWeakRef(t.untyped_storage()) for t in owned}
+    saved = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in lasting:
+            saved[ref] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, targets)
+    loss.backward()
+    return sum(saved.values())
+
+
+def test_attention_keeps_memory_linear_in_length_and_under_a_third_of_eager():
+    kept = {}
+    for length in (128, 256):
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab=64, max_len=length, d_model=64, n_heads=4, dropout=0.1)
+        model = GPT(cfg)
+        idx, targets = batch(cfg, length)
+        compiled = torch.compile(model, backend="seqfast")
+        with collecting() as report:
+            compiled(idx, targets).backward()  # compile outside the hooks: tracing saves too
+        assert report.counts["attention"] == cfg.n_layers
+        kept[length] = (
+            kept_for_backward(model, idx, targets),
+            kept_for_backward(compiled, idx, targets),
+        )
+    (eager_128, fast_128), (eager_256, fast_256) = kept[128], kept[256]
+    assert fast_256 < eager_256 / 3, kept
+    assert fast_256 / fast_128 < 2.2 < 3 < eager_256 / eager_128, kept
