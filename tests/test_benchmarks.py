@@ -9,7 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", ["benchmarks.norm_kernels", "benchmarks.train_step"])
+@pytest.mark.parametrize(
+    "module", ["benchmarks.norm_kernels", "benchmarks.train_step", "benchmarks.attention"]
+)
 def test_benchmark_quick_run_writes_a_table(module, tmp_path):
     output = tmp_path / "results.md"
     result = subprocess.run(

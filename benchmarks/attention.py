@@ -1,0 +1,337 @@
+"""Fused attention `seqfast::attention` against torch's SDPA and the eager matmul-softmax spelling:
+time and TFLOP/s, forward and forward + backward, and the fraction of a bf16 matmul measured in the
+same run.
+
+    python -m benchmarks.attention [--quick] [--output benchmarks/results/<device>.md]
+
+FLOP convention, the same for every executor (FlashAttention's): the forward is two matmuls,
+4 * B * H * Lq * Lk * D, halved when causal; the backward is five matmuls (the scores recomputed,
+dV, dP, dQ, dK), 2.5x the forward, so forward + backward counts 3.5x the forward. Bias, masking,
+softmax and dropout count nothing.
+
+Cases keep the tokens B * L and the hidden size H * D fixed. SDPA runs its flash backend where
+flash takes the case and torch's default choice elsewhere; its rows name the backend used. Before
+an executor is timed it is checked against SDPA: with dropout off, the largest max|a - b| / max|b|
+over the output and dq, dk, dv; with dropout on, shapes and finiteness only. "x sdpa" is
+sdpa ms / ms, so above 1 is faster than SDPA. Compile time is never timed (first calls are warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
+from benchmarks.common import emit, header, table, timed_ms
+
+Tensor = torch.Tensor
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max|a - b| / max|b| against SDPA
+BACKEND_NAMES = {
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+    SDPBackend.MATH: "math",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    length: int
+    head_dim: int
+    batch: int
+    heads: int
+    causal: bool
+    p: float
+    bias: str  # "none"; "pad": (B, 1, 1, L), 0 or -inf per key; "full": (1, H, L, L), random
+
+    def flops(self, backward: bool) -> float:
+        forward = 4 * self.batch * self.heads * self.length**2 * self.head_dim
+        return forward / (2 if self.causal else 1) * (3.5 if backward else 1.0)
+
+    def scores_gib(self) -> float:
+        """The float32 scores the eager spelling materializes."""
+        return self.batch * self.heads * self.length**2 * 4 / 2**30
+
+    def cells(self) -> list[object]:
+        return [
+            self.length, self.head_dim, f"{self.batch}x{self.heads}", self.causal, self.p,
+            self.bias,
+        ]  # fmt: skip
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: Tensor  # (B, H, L, D), requires grad, as k and v
+    k: Tensor
+    v: Tensor
+    grad_out: Tensor  # (B, H, L, D)
+    bias: Tensor | None  # (B, 1, 1, L) or (1, H, L, L), q's dtype
+    seed: Tensor | None  # 0-d int64, when p > 0
+    future: Tensor | None  # (L, L) bool, True above the diagonal, when causal (eager's mask)
+    scale: float
+
+
+@dataclasses.dataclass
+class Result:
+    note: str  # the check column: relative error, or why the executor was not timed
+    fwd_ms: float | None = None
+    both_ms: float | None = None
+    failed: bool = False
+
+
+def cases(
+    quick: bool, lengths: list[int], head_dims: list[int], itemsize: int, cap_gib: float
+) -> list[Case]:
+    """(causal, p, bias) for every length and head dim; bias cases are non-causal."""
+    if quick:
+        tokens, hidden = 64, 64
+        grid = [(False, 0.0, "none"), (True, 0.0, "none"), (False, 0.1, "none")]
+        grid += [(False, 0.0, "pad"), (False, 0.1, "full")]
+    else:
+        tokens, hidden = 16384, 2048
+        grid = [(causal, p, "none") for causal in (False, True) for p in (0.0, 0.1)]
+        grid += [(False, p, bias) for bias in ("pad", "full") for p in (0.0, 0.1)]
+    found = []
+    for head_dim in head_dims:
+        for length in lengths:
+            for causal, p, bias in grid:
+                heads = hidden // head_dim
+                if bias == "full" and heads * length**2 * itemsize / 2**30 > cap_gib:
+                    continue  # the (1, H, L, L) bias alone passes the memory cap
+                found.append(Case(length, head_dim, tokens // length, heads, causal, p, bias))
+    return found
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device) -> Inputs:
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (case.batch, case.heads, case.length, case.head_dim)
+
+    def randn(size: tuple[int, ...]) -> Tensor:
+        return torch.randn(size, device=device, dtype=dtype, generator=g)
+
+    q, k, v = (randn(shape).requires_grad_() for _ in range(3))
+    bias = None
+    if case.bias == "pad":
+        kept = torch.randint(
+            case.length // 2, case.length + 1, (case.batch, 1, 1, 1), device=device, generator=g
+        )
+        keys = torch.arange(case.length, device=device)
+        bias = torch.where(keys < kept, 0.0, -math.inf).to(dtype)
+    elif case.bias == "full":
+        bias = randn((1, case.heads, case.length, case.length))
+    seed = None
+    if case.p > 0:
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=g)
+    future = None
+    if case.causal:
+        future = torch.ones(case.length, case.length, dtype=torch.bool, device=device).triu(1)
+    return Inputs(q, k, v, randn(shape), bias, seed, future, case.head_dim**-0.5)
+
+
+def seqfast_attention(t: Inputs, case: Case) -> Tensor:
+    out, _, _ = torch.ops.seqfast.attention(
+        t.q, t.k, t.v, t.bias, None, t.seed, 0, case.p, t.scale, case.causal, -math.inf
+    )
+    return out
+
+
+def sdpa_attention(t: Inputs, case: Case, backend: SDPBackend) -> Tensor:
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(
+            t.q, t.k, t.v, attn_mask=t.bias, dropout_p=case.p, is_causal=case.causal, scale=t.scale
+        )
+
+
+def eager_attention(t: Inputs, case: Case) -> Tensor:
+    scores = (t.q @ t.k.transpose(-1, -2)).float() * t.scale
+    if t.bias is not None:
+        scores = scores + t.bias
+    if t.future is not None:
+        scores = scores.masked_fill(t.future, -math.inf)
+    prob = F.dropout(torch.softmax(scores, dim=-1), case.p)
+    return prob.to(t.v.dtype) @ t.v
+
+
+def sdpa_backend(t: Inputs, case: Case) -> SDPBackend:
+    """Flash where it takes the case (asked with q, k, v requiring grad, as the timed backward
+    needs), else the backend torch's default dispatch picks."""
+    args = (t.q, t.k, t.v, t.bias, case.p, case.causal)
+
+    def choice() -> SDPBackend | None:
+        try:
+            return SDPBackend(torch._fused_sdp_choice(*args))
+        except RuntimeError:  # "No available kernel": no enabled backend takes the case
+            return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flash's reasons for refusing
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            flash = choice()
+        return flash if flash is not None else choice()
+
+
+def forward_backward(fn: Callable[[Inputs], Tensor], t: Inputs) -> list[Tensor]:
+    out = fn(t)
+    return [out.detach(), *torch.autograd.grad(out, (t.q, t.k, t.v), t.grad_out)]
+
+
+def check(outputs: list[Tensor], reference: list[Tensor] | None, case: Case) -> Result:
+    """The executor's output and dq, dk, dv against the reference (SDPA's, unless SDPA ran out of
+    memory): numerics with dropout off, shapes and finiteness always."""
+    shape = (case.batch, case.heads, case.length, case.head_dim)
+    for got, name in zip(outputs, ("out", "dq", "dk", "dv"), strict=True):
+        if got.shape != shape or not got.isfinite().all():
+            return Result(f"{name}: misshapen or not finite", failed=True)
+    if reference is None:
+        return Result("the reference")
+    if case.p > 0:
+        return Result("finite (dropout)")
+    worst = max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        for a, b in zip(outputs, reference, strict=True)
+    )
+    failed = worst > TOLERANCE[outputs[0].dtype]
+    return Result(f"{'MISMATCH ' if failed else ''}rel err {worst:.1e}", failed=failed)
+
+
+def time_passes(fn: Callable[[Inputs], Tensor], t: Inputs, device: torch.device) -> list[float]:
+    with torch.no_grad():
+        fwd = timed_ms(lambda: fn(t), device)
+    both = timed_ms(lambda: torch.autograd.grad(fn(t), (t.q, t.k, t.v), t.grad_out), device)
+    return [fwd, both]
+
+
+def bench_case(case: Case, dtype: torch.dtype, device: torch.device, cap_gib: float):
+    """{executor label: Result}, SDPA first: every executor checked against it, then timed."""
+    t = make_inputs(case, dtype, device)
+    backend = sdpa_backend(t, case)
+    executors = {
+        f"sdpa({BACKEND_NAMES.get(backend, backend.name.lower())})": functools.partial(
+            sdpa_attention, backend=backend
+        ),
+        "seqfast": seqfast_attention,
+        "eager": eager_attention,
+    }
+    results, reference = {}, None
+    for name, executor in executors.items():
+        fn = functools.partial(executor, case=case)
+        if name == "eager" and case.scores_gib() > cap_gib:
+            results[name] = Result(f"skipped: {case.scores_gib():.0f} GiB of scores")
+            continue
+        try:
+            outputs = forward_backward(fn, t)
+            result = check(outputs, reference, case)
+            reference = reference or outputs
+            del outputs
+            if not result.failed:
+                result.fwd_ms, result.both_ms = time_passes(fn, t, device)
+        except torch.cuda.OutOfMemoryError:
+            result = Result("OOM")
+        except RuntimeError as error:  # recorded and counted as a failure, not hidden
+            result = Result(f"error: {str(error).splitlines()[0][:80]}", failed=True)
+        results[name] = result
+    return results
+
+
+def table_rows(case: Case, results: dict[str, Result], ceiling: float) -> list[list[object]]:
+    sdpa = next(r for name, r in results.items() if name.startswith("sdpa"))
+    rows = []
+    for name, r in results.items():
+        cells: list[object] = []
+        for ms, backward in ((r.fwd_ms, False), (r.both_ms, True)):
+            tflops = case.flops(backward) / (ms * 1e-3) / 1e12 if ms else None
+            cells += [ms, tflops, tflops / ceiling] if ms else ["-"] * 3
+        ratios = [
+            sdpa_ms / ms if ms and sdpa_ms else "-"
+            for ms, sdpa_ms in ((r.fwd_ms, sdpa.fwd_ms), (r.both_ms, sdpa.both_ms))
+        ]
+        rows.append([*case.cells(), name, *cells, *ratios, r.note])
+    return rows
+
+
+def summary(measured: list[tuple[Case, dict[str, Result]]]) -> list[str]:
+    """seqfast's forward + backward speed-up over SDPA, where SDPA runs flash and where not."""
+    groups: dict[str, list[float]] = {"flash": [], "other": []}
+    for _, results in measured:
+        name, sdpa = next((n, r) for n, r in results.items() if n.startswith("sdpa"))
+        ours = results["seqfast"]
+        if sdpa.both_ms and ours.both_ms:
+            groups["flash" if name == "sdpa(flash)" else "other"].append(
+                sdpa.both_ms / ours.both_ms
+            )
+    lines = []
+    for group, target in (("flash", ">= 0.9x"), ("other", "> 1x")):
+        ratios = groups[group]
+        if ratios:
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            lines.append(
+                f"- seqfast fwd+bwd vs sdpa ({'flash' if group == 'flash' else 'not flash'}), "
+                f"target {target}: min {min(ratios):.2f}x, geomean {geomean:.2f}x over "
+                f"{len(ratios)} cases"
+            )
+    return lines
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (timed_ms(lambda: a @ b, device) * 1e-3) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    parser.add_argument(
+        "--no-inductor", action="store_true", help="accepted for a uniform interface (no Inductor)"
+    )
+    parser.add_argument("--output", help="append the markdown table to this file")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument(
+        "--eager-cap-gib", type=float, default=8.0,
+        help="skip eager past this many GiB of float32 scores; also caps the (1, H, L, L) bias",
+    )  # fmt: skip
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lengths, head_dims = ([64], [32]) if args.quick else (args.lengths, args.head_dims)
+    selected = cases(args.quick, lengths, head_dims, dtype.itemsize, args.eager_cap_gib)
+    matmul_n = 256 if args.quick else 8192
+    ceiling = matmul_tflops(device, dtype, matmul_n)
+
+    measured = []
+    for case in selected:
+        measured.append((case, bench_case(case, dtype, device, args.eager_cap_gib)))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    lines = header("Fused attention", device, "benchmarks.attention")
+    lines += [
+        f"dtype {dtype}; tokens B*L and hidden H*D fixed; measured {matmul_n}^3 matmul: "
+        f"{ceiling:.3g} TFLOP/s (the 'of matmul' columns). FLOPs: forward 4*B*H*L*L*D, halved "
+        f"when causal; fwd+bwd 3.5x forward. 'x sdpa' = sdpa ms / ms. Eager skipped past "
+        f"{args.eager_cap_gib:g} GiB of float32 scores.",
+        "",
+    ]
+    columns = ["L", "D", "B x H", "causal", "p", "bias", "executor"]
+    for pass_ in ("fwd", "fwd+bwd"):
+        columns += [f"{pass_} ms", f"{pass_} TFLOP/s", f"{pass_} of matmul"]
+    columns += ["x sdpa fwd", "x sdpa fwd+bwd", "check"]
+    lines += table(columns, [row for c, r in measured for row in table_rows(c, r, ceiling)])
+    lines += ["", *summary(measured)]
+    emit(lines, args.output)
+    failed = sum(r.failed for _, results in measured for r in results.values())
+    if failed:
+        raise SystemExit(
+            f"benchmarks.attention: {failed} executor runs failed; see the check column"
+        )
+
+
+if __name__ == "__main__":
+    main()
