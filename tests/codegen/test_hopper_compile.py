@@ -7,28 +7,32 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent(
+COMPILE = textwrap.dedent(
     """
     import itertools, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from seqcompile.codegen import kernel_function
-    from seqcompile.ops import norm
 
-    FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL"}
+    INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream"}
+    FLOATS = {"eps", "p", "scale", "masked_value"}
+    FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS"}
+    CONSTEXPRS = {"HEAD_DIM", "DOT_PRECISION"}
 
     def signature(fn, data):
         sig = {}
         for name in fn.arg_names:
-            if name.startswith("BLOCK_"):
+            if name.startswith("BLOCK_") or name in CONSTEXPRS:
                 sig[name] = "constexpr"
-            elif name in ("N", "M", "G", "stream"):
+            elif name in INTEGERS or name.startswith("stride_"):
                 sig[name] = "i32"
-            elif name in ("eps", "p"):
+            elif name in FLOATS:
                 sig[name] = "fp32"
             elif name == "SEED":
                 sig[name] = "*i64"
+            elif name == "MASK":
+                sig[name] = "*i1"
             else:
                 sig[name] = "*fp32" if name in FLOAT_POINTERS else data
         return sig
@@ -43,6 +47,12 @@ SCRIPT = textwrap.dedent(
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], spec
         print("ok", spec.template, spec.describe(), data, sorted(constexprs))
+    """
+)
+
+NORM = textwrap.dedent(
+    """
+    from seqcompile.ops import norm
 
     for rms, on in itertools.product([False, True], [False, True]):
         flags = dict(branch_bias=on, dropout=on, weight=on, bias=on and not rms)
@@ -55,14 +65,53 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+ATTENTION = textwrap.dedent(
+    """
+    from seqcompile.ops import attention
 
-def test_every_template_variant_compiles_to_a_hopper_cubin():
+    def tiles(head_dim, precision):
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
+                    DOT_PRECISION=precision)
+
+    variants = [
+        dict(bias=False, mask=False, dropout=False, causal=False),
+        dict(bias=True, mask=True, dropout=True, causal=True),
+        dict(bias=True, mask=False, dropout=True, causal=False),
+        dict(bias=False, mask=True, dropout=False, causal=True),
+    ]
+    cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
+    for flags, (data, head_dim, precision) in zip(variants, cases + cases[:1]):
+        constexprs = tiles(head_dim, precision)
+        compile(attention.forward_spec(**flags), data, constexprs)
+        for spec in attention.backward_specs(bias_grad=flags["bias"], **flags):
+            compile(spec, data, {**constexprs, "BLOCK_R": 16})
+    # contiguous head dims, one key/value head per query head and the first dropout stream arrive
+    # as the constant 1
+    ones = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=1, stream=1)
+    flags = dict(bias=True, mask=True, dropout=True, causal=False)
+    compile(attention.forward_spec(**flags), "*bf16", {**tiles(128, "tf32"), **ones})
+    for spec in attention.backward_specs(bias_grad=True, **flags)[1:]:
+        compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
+    """
+)
+
+
+def compile_for_hopper(body: str) -> str:
     env = {
         k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SEQFAST_INTERPRET")
     }
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", COMPILE + body], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("ok ") == 11, result.stdout
+    return result.stdout
+
+
+def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
+    assert compile_for_hopper(NORM).count("ok ") == 11
+
+
+def test_attention_template_variants_compile_to_hopper_cubins():
+    assert compile_for_hopper(ATTENTION).count("ok ") == 4 * 4 + 3
