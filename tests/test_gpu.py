@@ -2,14 +2,16 @@
 and low-precision tolerances, and a short training run whose loss curve must track eager."""
 
 import copy
+import math
 
 import pytest
 import torch
 from conftest import TOLERANCES
 
+import seqcompile.ops.attention as attention_op
 import seqcompile.ops.norm as norm_op
 from seqcompile.demo import GPT, GPTConfig, train
-from seqcompile.ops import norm_reference
+from seqcompile.ops import attention_reference, norm_reference
 from seqcompile.report import collecting
 
 pytestmark = pytest.mark.gpu
@@ -41,6 +43,43 @@ def test_kernels_match_the_reference(dtype, width, rms, p):
         torch.testing.assert_close(k, r, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(causal=False, bias=False, mask=False, p=0.0),
+        dict(causal=True, bias=False, mask=True, p=0.1),
+        dict(causal=False, bias=True, mask=True, p=0.0),
+    ],
+    ids=["plain", "causal_mask_dropout", "bias_mask"],
+)
+def test_attention_kernels_match_the_reference(dtype, head_dim, features):
+    g = torch.Generator(device=cuda).manual_seed(0)
+    b, h, kv_heads, lq, lk = 2, 4, 2, 333, 517
+    q = torch.randn(b, h, lq, head_dim, device=cuda, generator=g).to(dtype)
+    k, v = (
+        torch.randn(b, kv_heads, lk, head_dim, device=cuda, generator=g).to(dtype) for _ in "kv"
+    )
+    bias = torch.randn(1, h, lq, lk, device=cuda, generator=g) if features["bias"] else None
+    mask = torch.rand(b, 1, 1, lk, device=cuda, generator=g) > 0.2 if features["mask"] else None
+    p, seed = features["p"], torch.tensor(77, device=cuda)
+    args = (q, k, v, bias, mask, seed, 3, p, head_dim**-0.5, features["causal"], -math.inf)
+    kernels = attention_op.forward_kernels(*args)
+    reference = attention_reference.forward(*args)
+    for kernel, ref in zip(kernels, reference, strict=True):
+        torch.testing.assert_close(kernel, ref, **TOLERANCES[kernel.dtype])
+    grad_out = torch.randn_like(kernels[0])
+    bargs = (grad_out, q, k, v, *reference, *args[3:], bias is not None)
+    for kernel, ref in zip(
+        attention_op.backward_kernels(*bargs), attention_reference.backward(*bargs), strict=True
+    ):
+        assert kernel.shape == ref.shape
+        if ref.numel():  # relative to the gradient's size: sums over up to 517 keys
+            scale = ref.abs().max().clamp_min(1.0)
+            torch.testing.assert_close(kernel / scale, ref / scale, **TOLERANCES[dtype])
+
+
 def test_training_loss_curve_tracks_eager_in_bf16():
     torch.manual_seed(0)
     config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=4, dropout=0.0)
@@ -61,5 +100,6 @@ def test_training_loss_curve_tracks_eager_in_bf16():
             fast_model, bf16(torch.compile(fast_model, backend="seqfast")), config, **kwargs
         )
     assert report.counts["norm"] == 2 * config.n_layers + 1
+    assert report.counts["attention"] == config.n_layers
     assert eager.losses[-1] < eager.losses[0] - 0.5
     torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
