@@ -50,7 +50,7 @@ def test_autocast_still_fuses_and_keeps_eager_dtypes(dtype, norm):
         eager = two_outputs(x)
         with collecting() as report:
             fast = torch.compile(two_outputs, backend="seqfast")(x_fast)
-    assert report.counts["norm"] == 3, report
+    assert report.counts["norm"] == 3 and report.counts["attention"] == 1, report
     for a, e in zip(fast, eager, strict=True):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, **TOLERANCES[dtype])
@@ -71,7 +71,9 @@ def test_four_sequence_lengths_compile_at_most_two_graphs_all_fused():
             loss = compiled(idx, targets)
             torch.testing.assert_close(loss, eager(idx, targets), **TOLERANCES[torch.float32])
     assert len(report.graphs) == 2
-    assert report.counts["norm"] == 2 * norm_sites(cfg)  # the dynamic graph is fused as well
+    # the dynamic graph is fused as well
+    assert report.counts["norm"] == 2 * norm_sites(cfg)
+    assert report.counts["attention"] == 2 * cfg.n_layers
     assert report.missed == []
 
 
