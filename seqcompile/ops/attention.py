@@ -23,7 +23,7 @@ import triton
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops import attention_reference as reference
-from seqcompile.ops.attention_layout import Layout
+from seqcompile.ops.attention_layout import Layout, broadcasts_to
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256
@@ -103,7 +103,7 @@ def _checked_layout(q, k, v, bias, mask, seed, p) -> Layout:
         raise ValueError(f"seqfast::attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
     scores = layout.scores_shape(q, k)
     for name, t in (("bias", bias), ("mask", mask)):
-        if t is not None and torch.broadcast_shapes(t.shape, scores) != torch.Size(scores):
+        if t is not None and not broadcasts_to(t.shape, scores):
             raise ValueError(
                 f"seqfast::attention: {name} of shape {tuple(t.shape)} does not broadcast to the "
                 f"scores {scores}"
@@ -267,7 +267,7 @@ def backward_kernels(
     else:
         blocks = _backward_blocks(q)
         delta = runtime.empty((b, h, lq), torch.float32, q.device)
-        block_r = 16
+        block_r = 64 if q.device.type == "cuda" else 16
         kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
             grad_out, out, delta, b * h * lq,
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,

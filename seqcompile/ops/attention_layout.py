@@ -9,8 +9,19 @@ import dataclasses
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 Tensor = torch.Tensor
+
+
+def broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether `shape` broadcasts to exactly `target` (symbolic sizes only when provably so)."""
+    if len(shape) > len(target):
+        return False
+    return all(
+        statically_known_true(s == 1) or statically_known_true(s == t)
+        for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
 
 
 def _padded(t: Tensor, dims: int) -> Tensor:

@@ -59,6 +59,8 @@ def scores(
 def row_statistics(s: Tensor) -> tuple[Tensor, Tensor]:
     """Per-row max and log of the sum of `exp(s - max)`; (0, +inf) for rows of -inf only, so that
     `exp(s - max - log_sum)` is the softmax and is 0 on such rows."""
+    if s.shape[-1] == 0:  # no keys at all: every row is empty
+        return s.new_zeros(s.shape[:-1]), s.new_full(s.shape[:-1], math.inf)
     row_max = s.amax(-1)
     empty = row_max == -math.inf
     row_max = row_max.masked_fill(empty, 0.0)

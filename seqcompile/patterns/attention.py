@@ -30,7 +30,7 @@ from seqcompile.fx_utils import (
     tensor_val,
 )
 from seqcompile.ops import attention as attention_op
-from seqcompile.ops.attention_layout import Layout
+from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 
 aten = torch.ops.aten
@@ -349,11 +349,7 @@ def _check(site: Site) -> Reject | None:
     scores = layout.scores_shape(q, k)
     for node in [b for b, _ in site.biases] + [m for m, _ in site.keep]:
         shape = tensor_val(node).shape
-        try:
-            fits = tuple(torch.broadcast_shapes(shape, scores)) == tuple(scores)
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not broadcasts_to(shape, scores):
             return Reject(
                 "mask or bias of shape {} does not broadcast to the scores {}", shape, scores
             )
