@@ -1,0 +1,547 @@
+"""seqfast::attention and its backward, called directly: the generated kernels (under Triton's
+interpreter) and the reference implementation, each against the same math composed from eager
+PyTorch ops in float64, forward and every gradient, on small awkward shapes; masks and fully masked
+rows, broadcast biases, causal, grouped-query heads and broadcast layouts, dropout, and the errors a
+caller can act on."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOLERANCES
+
+import seqcompile.ops.attention  # noqa: F401  (registers the op)
+from seqcompile.ops.random import keep_mask
+
+attention = torch.ops.seqfast.attention
+FLOAT32_MIN = torch.finfo(torch.float32).min
+
+# With finfo.min masked scores the kernels' `(s - row_max) * log2(e)` overflows to -inf in float32,
+# whose exp2 is the 0 it stands for; the interpreter (numpy) warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+
+
+@pytest.fixture(params=["reference", "kernels"])
+def impl(request, monkeypatch):
+    """Which implementation runs on CPU tensors; every output starts as NaN."""
+    monkeypatch.setenv("SEQFAST_POISON", "1")
+    if request.param == "kernels":
+        if torch.cuda.is_available():
+            pytest.skip("the interpreter tier runs on machines without CUDA")
+        monkeypatch.setenv("SEQFAST_INTERPRET", "1")
+    return request.param
+
+
+def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
+             keep=None, p=0.0):  # fmt: skip
+    """The op's math from eager ops (call it with float64 tensors): the output and the scores after
+    bias, mask and causal. A row whose every score is -inf gives 0, as SDPA defines it."""
+    if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] > k.shape[-3] > 1:
+        group = q.shape[-3] // k.shape[-3]  # grouped-query heads: query head h reads h // group
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = torch.where(mask, s, masked_value)
+    if causal:
+        above = ~torch.ones(s.shape[-2:], dtype=torch.bool).tril()  # top-left: key j <= query i
+        s = s.masked_fill(above, -math.inf)
+    dead = (s == -math.inf).all(-1, keepdim=True)
+    prob = s.masked_fill(dead, 0.0).softmax(-1).masked_fill(dead, 0.0)
+    if keep is not None:
+        prob = torch.where(keep, prob / (1 - p), 0.0)
+    return prob @ v, s
+
+
+def randn(g, *shape, dtype=torch.float32, grad=True, scale=1.0):
+    return (torch.randn(shape, generator=g) * scale).to(dtype).requires_grad_(grad)
+
+
+def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
+    kv_heads = kv_heads or h
+    return (
+        randn(g, b, h, lq, d, dtype=dtype, scale=1.5),
+        randn(g, b, kv_heads, lk, d, dtype=dtype),
+        randn(g, b, kv_heads, lk, d, dtype=dtype),
+    )
+
+
+def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
+                    p=0.0, seed=20240917, stream=3, scale=None):  # fmt: skip
+    """Run the op and its backward and compare the output, the row statistics and the gradient of
+    every operand that requires one with `composed` in float64. Returns the output and those
+    gradients (in the order q, k, v, bias)."""
+    dtype = q.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
+    out, row_max, log_sum = attention(
+        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value
+    )
+    operands = [t for t in (q, k, v, bias) if t is not None]
+    doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
+    keep = None
+    if p > 0:
+        keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
+    dq_, dk_, dv_, *rest = doubles
+    expected, s = composed(
+        dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
+        masked_value=masked_value, keep=keep, p=p,
+    )  # fmt: skip
+    tol = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert out.isfinite().all(), "output not finite (or an element was never written)"
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+    # statistics the backward relies on: row_max + log_sum is the row's log-sum-exp; (0, inf) on
+    # rows whose every score is -inf
+    lse = s.detach().logsumexp(-1).reshape(row_max.shape)
+    live = lse > -math.inf
+    assert row_max.dtype == log_sum.dtype == torch.float32
+    assert torch.equal(row_max[~live], torch.zeros_like(row_max[~live]))
+    assert (log_sum[~live] == math.inf).all()
+    torch.testing.assert_close(
+        (row_max + log_sum)[live].double(), lse[live], **TOLERANCES[torch.float32]
+    )
+
+    g = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    wanted = [(t, d) for t, d in zip(operands, doubles, strict=True) if t.requires_grad]
+    actual = torch.autograd.grad(out, [t for t, _ in wanted], grad_out)
+    expected_grads = torch.autograd.grad(expected, [d for _, d in wanted], grad_out.double())
+    names = [n for n, t in zip("q k v bias".split(), operands, strict=False) if t.requires_grad]
+    for name, a, e, (t, _) in zip(names, actual, expected_grads, wanted, strict=True):
+        assert a.dtype == t.dtype and a.shape == t.shape, name
+        assert a.isfinite().all(), f"d{name} not finite"
+        torch.testing.assert_close(a.double(), e, **tol, msg=lambda m, n=name: f"d{n}: {m}")
+    return out, actual
+
+
+# --------------------------------------------------------------------------------------------
+# shapes, dtypes and every feature
+
+
+SHAPES = [  # (Lq, Lk, head_dim): every length, Lq < Lk and Lq > Lk, every head dim
+    (1, 1, 16),
+    (17, 17, 24),
+    (64, 64, 64),
+    (17, 33, 80),
+    (33, 17, 16),
+    (64, 17, 24),
+    (5, 9, 8),  # a head dim below the smallest tile
+    (9, 5, 256),  # the largest head dim
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("lq,lk,d", SHAPES)
+def test_shapes_and_dtypes(impl, lq, lk, d, dtype):
+    g = torch.Generator().manual_seed(lq * 1000 + lk * 10 + d)
+    b, h = (1, 2) if lq * lk > 1000 else (2, 2)
+    q, k, v = qkv(g, b, h, lq, lk, d, dtype=dtype)
+    bias = randn(g, b, h, lq, lk, dtype=dtype)
+    run_and_compare(q, k, v, bias)
+
+
+FLAGS = [(bias, mask, causal, dropout) for bias in (0, 1) for mask in (0, 1)
+         for causal in (0, 1) for dropout in (0, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bias,mask,causal,dropout",
+    FLAGS,
+    ids=["".join("BMCD"[i] if on else "-" for i, on in enumerate(f)) for f in FLAGS],
+)
+def test_every_feature_combination(impl, bias, mask, causal, dropout):
+    g = torch.Generator().manual_seed(11)
+    b, h, lq, lk, d = 2, 1, 19, 23, 32
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    bias_t = randn(g, 1, h, lq, lk) if bias else None
+    mask_t = None
+    if mask:
+        mask_t = torch.rand(b, 1, lq, lk, generator=g) > 0.25
+        mask_t[1, :, 4] = False  # a fully masked row
+    run_and_compare(q, k, v, bias_t, mask_t, causal=bool(causal), p=0.25 if dropout else 0.0)
+
+
+def test_composed_math_agrees_with_sdpa():
+    """The oracle itself, in float64, against torch's SDPA: masks with fully masked rows, causal
+    with Lq != Lk, grouped heads, and every gradient."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (t.detach().double().requires_grad_() for t in qkv(g, 2, 4, 9, 13, 8, kv_heads=2))
+    mask = torch.rand(2, 1, 9, 13, generator=g) > 0.3
+    mask[0, :, 2] = False  # a fully masked row
+    for attn_mask, causal in ((mask, False), (None, True), (mask, True)):
+        expected = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=causal, scale=0.3, enable_gqa=True
+        )
+        actual, _ = composed(q, k, v, None, attn_mask, scale=0.3, causal=causal)
+        torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float64])
+        grad = torch.randn(expected.shape, generator=g, dtype=torch.float64)
+        for a, e in zip(
+            torch.autograd.grad(actual, (q, k, v), grad),
+            torch.autograd.grad(expected, (q, k, v), grad),
+            strict=True,
+        ):
+            torch.testing.assert_close(a, e, **TOLERANCES[torch.float64])
+        if attn_mask is not None:
+            assert torch.equal(actual[0, :, 2], torch.zeros_like(actual[0, :, 2]))
+
+
+# --------------------------------------------------------------------------------------------
+# masks
+
+
+@pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
+@pytest.mark.parametrize("kind", ["padding", "full"])
+def test_boolean_masks_and_fully_masked_rows(impl, kind, masked_value):
+    g = torch.Generator().manual_seed(2)
+    b, h, lq, lk, d = 2, 2, 17, 33, 24
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    if kind == "padding":
+        mask = torch.rand(b, 1, 1, lk, generator=g) > 0.3
+        mask[1] = False  # a sequence without a single valid key: every row of it is fully masked
+    else:
+        mask = torch.rand(b, 1, lq, lk, generator=g) > 0.3
+        mask[0, :, [0, 5]] = False
+        mask[1, :, lq - 1] = False
+    dead = ~mask.expand(b, h, lq, lk).any(-1)
+    assert dead.any() and not dead.all()
+    out, (dq, dk, dv) = run_and_compare(q, k, v, None, mask, masked_value=masked_value)
+    zero_rows = torch.zeros_like(dq[dead])
+    # a score replaced by a constant has no gradient: fully masked rows give dq == 0 either way
+    assert torch.equal(dq[dead], zero_rows)
+    if masked_value == -math.inf:
+        assert torch.equal(out[dead], torch.zeros_like(out[dead]))
+        if kind == "padding":  # nothing reads batch 1's keys
+            assert torch.equal(dk[1], torch.zeros_like(dk[1]))
+            assert torch.equal(dv[1], torch.zeros_like(dv[1]))
+    else:
+        # equal finite scores: eager's softmax averages v over every key
+        qd, kd, vd = (t.detach().double() for t in (q, k, v))
+        s = qd @ kd.transpose(-1, -2) * d**-0.5
+        eager = torch.where(mask, s, FLOAT32_MIN).softmax(-1) @ vd
+        mean = vd.mean(-2, keepdim=True).expand(b, h, lq, d)
+        torch.testing.assert_close(eager[dead], mean[dead], **TOLERANCES[torch.float64])
+        torch.testing.assert_close(out[dead].double(), mean[dead], **TOLERANCES[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+# additive bias
+
+
+@pytest.mark.parametrize("kind", ["t5", "padding", "2d"])
+def test_float_bias_gradient_sums_over_broadcast_dims(impl, kind):
+    g = torch.Generator().manual_seed(3)
+    b, h, lq, lk, d = 2, 2, 17, 21, 16
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    shape = {"t5": (1, h, lq, lk), "padding": (b, 1, 1, lk), "2d": (lq, lk)}[kind]
+    bias = randn(g, *shape, scale=2.0)
+    _, (*_, dbias) = run_and_compare(q, k, v, bias)
+    assert dbias.shape == bias.shape
+    # the same gradient spelled out: eager's gradient for a full (B, H, Lq, Lk) bias, summed
+    full = bias.detach().double().expand(b, h, lq, lk).clone().requires_grad_()
+    qd, kd, vd = (t.detach().double() for t in (q, k, v))
+    expected, _ = composed(qd, kd, vd, full, scale=d**-0.5)
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7))
+    (dfull,) = torch.autograd.grad(expected, full, grad_out.double())
+    torch.testing.assert_close(
+        dbias.double(), dfull.sum_to_size(shape), **TOLERANCES[torch.float32]
+    )
+
+
+def test_additive_minus_inf_bias_as_mask(impl):
+    """A float padding mask of 0 and -inf (SDPA's float attn_mask), one sequence wholly padded."""
+    g = torch.Generator().manual_seed(17)
+    b, h, lq, lk, d = 2, 2, 17, 21, 16
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    bias = torch.where(torch.rand(b, 1, 1, lk, generator=g) > 0.3, 0.0, -math.inf)
+    bias[1] = -math.inf
+    out, (dq, dk, dv) = run_and_compare(q, k, v, bias)
+    for t in (out[1], dq[1], dk[1], dv[1]):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+# --------------------------------------------------------------------------------------------
+# causal
+
+
+@pytest.mark.parametrize("lq,lk", [(17, 17), (17, 33), (33, 17), (64, 64), (1, 17)])
+def test_causal(impl, lq, lk):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = qkv(g, 1, 2, lq, lk, 16)
+    out, (dq, dk, dv) = run_and_compare(q, k, v, causal=True)
+    # query 0 sees key 0 only
+    torch.testing.assert_close(out[..., 0, :], v[..., 0, :].detach(), **TOLERANCES[torch.float32])
+    if lk > lq:  # keys after the last query are never read
+        assert torch.equal(dk[..., lq:, :], torch.zeros_like(dk[..., lq:, :]))
+        assert torch.equal(dv[..., lq:, :], torch.zeros_like(dv[..., lq:, :]))
+
+
+@pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
+def test_causal_with_padding_mask(impl, masked_value):
+    g = torch.Generator().manual_seed(5)
+    b, h, lq, lk, d = 2, 2, 20, 24, 16
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    mask = torch.rand(b, 1, 1, lk, generator=g) > 0.2
+    mask[1, ..., :3] = False  # left padding: queries 0..2 of sequence 1 see no valid key
+    mask[1, ..., 3] = True
+    out, (dq, _, _) = run_and_compare(q, k, v, None, mask, causal=True, masked_value=masked_value)
+    assert torch.equal(dq[1, :, :3], torch.zeros_like(dq[1, :, :3]))
+    if masked_value == -math.inf:
+        assert torch.equal(out[1, :, :3], torch.zeros_like(out[1, :, :3]))
+    else:  # the causal triangle stays -inf: query i averages the (masked) keys 0..i
+        vd = v.detach()[1].double()
+        means = torch.stack([vd[:, : i + 1].mean(-2) for i in range(3)], 1)
+        torch.testing.assert_close(out[1, :, :3].double(), means, **TOLERANCES[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+# grouped-query heads and broadcast layouts
+
+
+@pytest.mark.parametrize("kv_heads,causal", [(2, False), (1, False), (2, True)])
+def test_grouped_query_heads(impl, kv_heads, causal):
+    """Four query heads share 2 or 1 key/value heads: dk and dv sum over the sharing heads."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = qkv(g, 2, 4, 17, 23, 16, kv_heads=kv_heads)
+    mask = torch.rand(2, 1, 1, 23, generator=g) > 0.2
+    bias = randn(g, 1, 4, 17, 23)
+    _, (dq, dk, dv, _) = run_and_compare(q, k, v, bias, mask, causal=causal)
+    assert dk.shape == dv.shape == (2, kv_heads, 23, 16)
+
+
+LAYOUTS = {
+    # name: shapes of q, k, v
+    "2d": ((17, 24), (23, 24), (23, 24)),
+    "3d": ((3, 17, 24), (3, 23, 24), (3, 23, 24)),
+    "3d_shared_kv": ((3, 17, 24), (1, 23, 24), (23, 24)),
+    "q_single_head": ((2, 1, 17, 24), (2, 2, 23, 24), (2, 2, 23, 24)),
+    "kv_batch_broadcast": ((2, 2, 17, 24), (1, 2, 23, 24), (1, 2, 23, 24)),
+    "q_batch_broadcast": ((1, 2, 17, 24), (2, 2, 23, 24), (2, 2, 23, 24)),
+    "5d_both_broadcast": ((2, 1, 2, 9, 24), (1, 3, 2, 11, 24), (1, 3, 2, 11, 24)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_broadcast_layouts(impl, layout):
+    """Batch dimensions broadcast as matmul's do; gradients sum back to each operand's shape."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (randn(g, *shape) for shape in LAYOUTS[layout])
+    mask = torch.rand(q.shape[-2], k.shape[-2], generator=g) > 0.2
+    out, _ = run_and_compare(q, k, v, None, mask)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    assert out.shape == (*batch, q.shape[-2], v.shape[-1])
+
+
+def test_strided_operands(impl):
+    """(B, L, H, D) projections viewed as (B, H, L, D) without a copy, and a transposed mask."""
+    g = torch.Generator().manual_seed(16)
+    b, h, lq, lk, d = 2, 2, 17, 23, 24
+    q, k, v = (randn(g, b, n, h, d).transpose(1, 2) for n in (lq, lk, lk))
+    assert not q.is_contiguous()
+    mask = (torch.rand(b, 1, lk, lq, generator=g) > 0.2).transpose(-1, -2)
+    run_and_compare(q, k, v, None, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# dropout
+
+
+def eye_values(b, h, lk):
+    """v = identity (Lk == head_dim): out[..., i, j] is query i's probability of key j after
+    dropout, so the output shows exactly what was dropped."""
+    return torch.eye(lk).expand(b, h, lk, lk).contiguous()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_ratio_and_scaling(impl, p):
+    # the reference is cheap on a big tensor; the interpreter runs the kernels on a moderate one
+    b, h, lq, lk = (1, 4, 128, 128) if impl == "reference" else (1, 2, 32, 64)
+    g = torch.Generator().manual_seed(9)
+    q, k = randn(g, b, h, lq, lk, grad=False), randn(g, b, h, lk, lk, grad=False)
+    v = eye_values(b, h, lk)
+    seed, stream, scale = torch.tensor(1234567, dtype=torch.int64), 5, lk**-0.5
+    out, _, _ = attention(q, k, v, None, None, seed, stream, p, scale, False, -math.inf)
+    prob = (q.double() @ k.double().transpose(-1, -2) * scale).softmax(-1)
+    assert prob.min() > 0  # so a zero in the output means a dropped element
+    kept = out != 0
+    n = kept.numel()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * sigma
+    assert torch.equal(kept, keep_mask(seed, torch.Size((b, h, lq, lk)), stream, p))
+    torch.testing.assert_close(
+        out[kept].double(), prob[kept] / (1 - p), **TOLERANCES[torch.float32]
+    )
+
+
+def test_dropout_backward_drops_what_the_forward_dropped(impl):
+    """One query row per (batch, head): dv[j] is that row's kept probability of key j times the
+    gradient, so it is zero exactly where the forward dropped (0, j)."""
+    g = torch.Generator().manual_seed(10)
+    b, h, lk = 1, 3, 40
+    q, k = randn(g, b, h, 1, lk), randn(g, b, h, lk, lk)
+    v = eye_values(b, h, lk).requires_grad_()
+    seed = torch.tensor(77, dtype=torch.int64)
+    out, _, _ = attention(q, k, v, None, None, seed, 2, 0.4, lk**-0.5, False, -math.inf)
+    dropped = out[..., 0, :] == 0
+    assert 0 < dropped.sum() < dropped.numel()
+    grad_out = torch.rand(out.shape, generator=g) + 0.5  # no zero entries
+    (dv,) = torch.autograd.grad(out, v, grad_out)
+    assert torch.equal((dv == 0).all(-1), dropped)
+
+
+def test_kernels_drop_exactly_what_the_reference_drops(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter tier runs on machines without CUDA")
+    monkeypatch.setenv("SEQFAST_POISON", "1")
+    g = torch.Generator().manual_seed(12)
+    b, h, kv_heads, lq, lk = 1, 4, 2, 20, 32
+    q, k = randn(g, b, h, lq, lk), randn(g, b, kv_heads, lk, lk)
+    v = eye_values(b, kv_heads, lk).requires_grad_()
+    mask = torch.rand(b, 1, lq, lk, generator=g) > 0.1
+    seed = torch.tensor(987654321012, dtype=torch.int64)
+    args = (None, mask, seed, 11, 0.3, lk**-0.5, False, -math.inf)
+    grad_out = torch.randn(b, h, lq, lk, generator=g)
+    results = []
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("SEQFAST_INTERPRET", interpret)
+        out = attention(q, k, v, *args)[0]
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    (reference, *ref_grads), (kernels, *kernel_grads) = results
+    assert torch.equal(reference == 0, kernels == 0)
+    torch.testing.assert_close(kernels, reference)
+    for a, e in zip(kernel_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCES[torch.float32])
+
+
+def test_dropout_repeats_for_a_seed_and_stream_only(impl):
+    g = torch.Generator().manual_seed(13)
+    q, k, v = qkv(g, 1, 1, 17, 24, 16)
+
+    def run(seed, stream):
+        seed_t = torch.tensor(seed, dtype=torch.int64)
+        return attention(q, k, v, None, None, seed_t, stream, 0.3, 0.25, False, -math.inf)[0]
+
+    first = run(42, 1)
+    assert torch.equal(run(42, 1), first)
+    assert not torch.equal(run(43, 1), first)
+    assert not torch.equal(run(42, 2), first)
+
+
+# --------------------------------------------------------------------------------------------
+# registration
+
+
+def test_schema_fake_and_autograd_registration():
+    """torch.library.opcheck on the reference: schema, fake implementations (shapes, dtypes and
+    strides as the real ones), autograd registration, and tracing forward and backward."""
+    g = torch.Generator().manual_seed(18)
+    padding = torch.rand(2, 1, 1, 7, generator=g) > 0.3
+    cases = [
+        (*qkv(g, 2, 4, 5, 7, 16, kv_heads=2), randn(g, 1, 4, 5, 7), padding, None, 0, 0.0),
+        (
+            randn(g, 3, 5, 16),
+            randn(g, 3, 7, 16),
+            randn(g, 3, 7, 16),
+            None,
+            None,
+            torch.tensor(5, dtype=torch.int64),
+            3,
+            0.2,
+        ),  # fmt: skip
+        (
+            randn(g, 2, 1, 5, 16),
+            randn(g, 1, 2, 7, 16),
+            randn(g, 1, 2, 7, 16),
+            randn(g, 5, 7),
+            None,
+            None,
+            0,
+            0.0,
+        ),  # fmt: skip
+    ]
+    for case in cases:
+        torch.library.opcheck(attention, (*case, 0.25, True, FLOAT32_MIN))
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+def _error_cases():
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    seed = torch.tensor(1, dtype=torch.int64)
+    base = dict(q=q, k=k, v=v, bias=None, mask=None, seed=None, p=0.0)
+    return {
+        "head dims differ": (dict(base, k=torch.randn(2, 2, 7, 24)), "same head dim"),
+        "heads not a multiple": (
+            dict(base, q=torch.randn(2, 3, 5, 16)),
+            r"query heads \(3\) must be a multiple of key/value heads \(2\)",
+        ),
+        "non-bool mask": (dict(base, mask=torch.ones(5, 7)), "mask must be bool"),
+        "non-float bias": (
+            dict(base, bias=torch.ones(5, 7, dtype=torch.int64)),
+            "bias must be floating point",
+        ),
+        "bias larger than the scores": (
+            dict(base, bias=torch.randn(3, 2, 4, 5, 7)),
+            "bias of shape .* does not broadcast",
+        ),
+        "bias does not broadcast": (
+            dict(base, bias=torch.randn(5, 8)),
+            "bias of shape .* does not broadcast",
+        ),
+        "mask does not broadcast": (
+            dict(base, mask=torch.ones(6, 7, dtype=torch.bool)),
+            "mask of shape .* does not broadcast",
+        ),
+        "dropout without a seed": (dict(base, p=0.1), "p > 0 needs a seed"),
+        "head dim over 256": (
+            dict(base, **{n: torch.randn(1, 1, 3, 264) for n in ("q", "k", "v")}),
+            "head dim 264 > 256",
+        ),
+        "dropout with a seed is fine": (dict(base, p=0.1, seed=seed), None),
+    }
+
+
+@pytest.mark.parametrize("case", list(_error_cases()))
+def test_errors_name_the_problem(case):
+    args, match = _error_cases()[case]
+    call = (args["q"], args["k"], args["v"], args["bias"], args["mask"], args["seed"], 0, args["p"])
+    if match is None:
+        attention(*call, 0.25, False, -math.inf)
+        return
+    with pytest.raises(ValueError, match=match):
+        attention(*call, 0.25, False, -math.inf)
+
+
+# --------------------------------------------------------------------------------------------
+# edges
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 17), (17, 1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_single_query_or_single_key(impl, lq, lk, causal):
+    g = torch.Generator().manual_seed(14)
+    q, k, v = qkv(g, 2, 2, lq, lk, 24)
+    bias = randn(g, 2, 2, lq, lk)
+    out, _ = run_and_compare(q, k, v, bias, causal=causal)
+    if lk == 1:  # one key: every query returns its value
+        torch.testing.assert_close(out, v.detach().expand_as(out), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("lq,lk", [(5, 0), (0, 7)], ids=["no-keys", "no-queries"])
+def test_empty_lengths(impl, lq, lk):
+    """Lk == 0: every row is empty, so as SDPA's fully masked rows the output and gradients are 0;
+    Lq == 0: empty output, and nothing reaches k and v."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = qkv(g, 1, 2, lq, lk, 16)
+    bias = randn(g, 1, 2, lq, lk)
+    out, row_max, log_sum = attention(q, k, v, bias, None, None, 0, 0.0, 0.25, False, -math.inf)
+    assert torch.equal(out, torch.zeros(1, 2, lq, 16))
+    assert torch.equal(row_max, torch.zeros(1, 2, lq)) and (log_sum == math.inf).all()
+    grads = torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
+    for grad, operand in zip(grads, (q, k, v, bias), strict=True):
+        assert torch.equal(grad, torch.zeros_like(operand))
