@@ -136,15 +136,19 @@ def _rsqrt_spellings(node: Node, ctx: RuleContext) -> Node | None:
 
 
 def _bmm_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
-    """`bmm(a, b)` is `matmul(a, b)` on 3-D operands; `baddbmm(c, a, b)` with unit factors is
-    `matmul(a, b) + c`."""
+    """`bmm(a, b)` is `matmul(a, b)` on 3-D operands; `baddbmm(c, a, b, beta, alpha)` is
+    `matmul(a, b) * alpha + c * beta`."""
     if is_call(node, aten.bmm.default):
         return ctx.call(aten.matmul.default, *node.args[:2])
     if is_call(node, aten.baddbmm.default):
         beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
-        if beta == 1 and alpha == 1:
-            product = ctx.call(aten.matmul.default, node.args[1], node.args[2])
-            return ctx.call(aten.add.Tensor, product, node.args[0])
+        if beta == 0:  # baddbmm ignores the input then, NaN included
+            return None
+        product = ctx.call(aten.matmul.default, node.args[1], node.args[2])
+        if alpha != 1:
+            product = ctx.call(aten.mul.Tensor, product, alpha)
+        added = node.args[0] if beta == 1 else ctx.call(aten.mul.Tensor, node.args[0], beta)
+        return ctx.call(aten.add.Tensor, product, added)
     return None
 
 
@@ -157,17 +161,19 @@ def _einsum_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
     plan = _einsum_plan(node.args[0])
     if plan is None:
         return None
-    left_order, right_order, out_order = plan
+    left_order, right_order, out_order, swapped = plan
+    operands = node.args[1][::-1] if swapped else node.args[1]
     a, b = (
         _permuted(ctx, operand, order)
-        for operand, order in zip(node.args[1], (left_order, right_order), strict=True)
+        for operand, order in zip(operands, (left_order, right_order), strict=True)
     )
     return _permuted(ctx, ctx.call(aten.matmul.default, a, b), out_order)
 
 
-def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int]] | None:
-    """Permutations taking the operands to (batch..., m, k) and (batch..., k, n), and the product
-    (batch..., m, n) to the output's letter order; None if `equation` is not a batched matmul."""
+def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int], bool] | None:
+    """Permutations taking the operands to (batch..., m, k) and (batch..., k, n), the product
+    (batch..., m, n) to the output's letter order, and whether the operands swap places (so the
+    output's last letter is n); None if `equation` is not a batched matmul."""
     equation = equation.replace(" ", "")
     if "->" not in equation or "." in equation:
         return None
@@ -185,11 +191,15 @@ def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int]] | None
         return None
     if len(left) != len(batch) + 2 or len(right) != len(batch) + 2:
         return None
+    swapped = out.index(m[0]) > out.index(n[0])
+    if swapped:
+        left, right, m, n = right, left, n, m
     product = batch + m + n
     return (
         [left.index(c) for c in batch + m + k],
         [right.index(c) for c in batch + k + n],
         [product.index(c) for c in out],
+        swapped,
     )
 
 

@@ -103,3 +103,49 @@ def test_rules_leave_spellings_that_differ_in_result_alone(fn, x):
     assert torch.equal(result, fn(x))
     if fn(x).data_ptr() != x.data_ptr():  # a copy must stay a copy
         assert result.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("ij,jk->ik", [(3, 4), (4, 5)]),
+        ("bij,bkj->bik", [(2, 3, 4), (2, 5, 4)]),
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+        ("bhkd,bhqd->bhqk", [(2, 3, 6, 5), (2, 3, 4, 5)]),
+        ("bqhd,bkhd->bhqk", [(2, 4, 3, 5), (2, 6, 3, 5)]),
+        ("bhqk,bkhd->bqhd", [(2, 3, 4, 6), (2, 6, 3, 5)]),
+    ],
+)
+def test_batched_matmul_einsum_becomes_matmul_with_the_same_values(equation, shapes):
+    inputs = [torch.randn(s) for s in shapes]
+    graph, fired, targets = normalized(lambda a, b: torch.einsum(equation, a, b), *inputs)
+    assert fired["einsum_as_matmul"] == 1
+    assert aten.einsum.default not in targets and aten.matmul.default in targets
+    torch.testing.assert_close(graph(*inputs), torch.einsum(equation, *inputs))
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [("ii->i", [(3, 3)]), ("ij,ij->ij", [(3, 4), (3, 4)]), ("i,j->ij", [(3,), (4,)])],
+)
+def test_other_einsums_stay(equation, shapes):
+    inputs = [torch.randn(s) for s in shapes]
+    if len(inputs) == 1:
+        _, fired, targets = normalized(lambda a: torch.einsum(equation, a), *inputs)
+    else:
+        _, fired, targets = normalized(lambda a, b: torch.einsum(equation, a, b), *inputs)
+    assert fired["einsum_as_matmul"] == 0 and aten.einsum.default in targets
+
+
+@pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 0.25), (0, 2.0)])
+def test_baddbmm_becomes_matmul_and_add(beta, alpha):
+    c, a, b = torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    if beta == 0:
+        c[0, 0, 0] = float("nan")  # baddbmm ignores the input then
+
+    def fn(c, a, b):
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    graph, fired, targets = normalized(fn, c, a, b)
+    assert fired["bmm_as_matmul"] == (0 if beta == 0 else 1)
+    torch.testing.assert_close(graph(c, a, b), fn(c, a, b))

@@ -9,8 +9,9 @@ except that the head dimension (the third from last) may also group: H a multipl
 h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 4-D
 (batch, heads, length, head_dim) views. `bias` (float, may require grad) and `mask` (bool, True
 where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero
-strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. Returns
-`(out, row_max, log_sum)`; the backward saves q, k, v, out and the two per-row statistics, never the
+strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. q @ k^T runs in q's
+dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
+v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
 probabilities, and regenerates the dropout mask from the seed."""
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
-        q.new_empty((*layout.result_batch, q.shape[-2], v.shape[-1])),
+        v.new_empty((*layout.result_batch, q.shape[-2], v.shape[-1])),
         q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.float32),
     )
@@ -146,14 +147,15 @@ def _backward_blocks(q: Tensor) -> dict[str, int]:
     return blocks
 
 
-def _dot_precision(q: Tensor) -> str:
-    if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+def _dot_precision(q: Tensor, v: Tensor) -> str:
+    fp32 = torch.float32 in (q.dtype, v.dtype)
+    if fp32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"
 
 
-def _same_dtype(q: Tensor, *others: Tensor) -> list[Tensor]:
-    return [t if t.dtype == q.dtype else t.to(q.dtype) for t in others]
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _common_args(q, k, v, bias, mask, masked_value, scale) -> tuple[list, list]:
@@ -175,9 +177,9 @@ def _finite(value: float) -> float:
 
 
 def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
-    k, v = _same_dtype(q, k, v)
+    k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
-    out = runtime.empty((b, h, lq, d), q.dtype, q.device)
+    out = runtime.empty((b, h, lq, d), v.dtype, q.device)
     row_max = runtime.empty((b, h, lq), torch.float32, q.device)
     log_sum = runtime.empty((b, h, lq), torch.float32, q.device)
     if out.numel() == 0:
@@ -191,7 +193,7 @@ def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_
     kernel_function(spec)[grid](
         q, k, v, *pointers, *([seed] if p > 0 else []), out, row_max, log_sum,
         *scalars, *((p, stream) if p > 0 else ()),
-        HEAD_DIM=d, DOT_PRECISION=_dot_precision(q), **blocks,
+        HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks,
     )  # fmt: skip
     return out, row_max, log_sum
 
@@ -248,14 +250,14 @@ def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
     masked_value, bias_grad,
 ):  # fmt: skip
-    k_in, v_in = k, v
-    k, v, grad_out = _same_dtype(q, k, v, grad_out)
+    k_in = k
+    k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
     grad_out, out = grad_out.contiguous(), out.contiguous()
     b, h, lq, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
     dq = runtime.empty(q.shape, q.dtype, q.device)
     dk = runtime.empty(k.shape, q.dtype, q.device)
-    dv = runtime.empty(v.shape, q.dtype, q.device)
+    dv = runtime.empty(v.shape, v.dtype, q.device)
     shape = _scores_shape(q, k)
     dbias_full = None
     if bias_grad:
@@ -277,7 +279,7 @@ def backward_kernels(
         pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
-        constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q), **blocks)
+        constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
         kernel_function(dkdv_spec)[(triton.cdiv(lk, blocks["BLOCK_N"]) * b * kv_heads,)](
             q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dk, dv,
             *scalars, *dropout_args, **constants,
@@ -290,7 +292,7 @@ def backward_kernels(
         dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
     else:
         dbias = q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
-    return dq, dk.to(k_in.dtype), dv.to(v_in.dtype), dbias
+    return dq, _as_dtype(dk, k_in.dtype), dv, dbias
 
 
 # --------------------------------------------------------------------------------------------

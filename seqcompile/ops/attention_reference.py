@@ -90,7 +90,7 @@ def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
     if drop is not None:
         prob = prob * drop
     out = prob @ expand_heads(v, q.shape[1]).float()
-    return out.to(q.dtype).contiguous(), row_max, log_sum
+    return out.to(v.dtype).contiguous(), row_max, log_sum
 
 
 def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:

@@ -26,6 +26,7 @@ from seqcompile.fx_utils import (
     insert_getitem,
     is_call,
     node_order,
+    only_user,
     site_name,
     tensor_val,
 )
@@ -151,37 +152,69 @@ def _ones(node: object) -> bool:
     return is_call(node, aten.full.default) and _constant(node.args[1]) == 1.0
 
 
+def _same_block(value: torch.Tensor | None, scores: torch.Tensor) -> bool:
+    """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
+    return (
+        value is not None
+        and value.dim() >= 2
+        and statically_known_true(value.shape[-2] == scores.shape[-2])
+        and statically_known_true(value.shape[-1] == scores.shape[-1])
+    )
+
+
+def _top_left(node: Node, scores: torch.Tensor) -> object:
+    """Step through one view that keeps the (Lq, Lk) block a top-left block of its input: a
+    reshape adding or dropping leading dims, a cast, or a slice from 0 of one of the last two dims
+    (a top-left block of a triangle is a triangle). None for anything else."""
+    if not _same_block(tensor_val(node), scores):
+        return None
+    if is_call(node, *_SHAPE_VIEWS, aten.alias.default, *_CASTS):
+        source = tensor_val(node.args[0])
+        return node.args[0] if _same_block(source, scores) else None
+    if is_call(node, aten.slice.Tensor):
+        source, dim = tensor_val(node.args[0]), arg(node, 1, "dim", 0)
+        start, step = arg(node, 2, "start"), arg(node, 4, "step", 1)
+        if source is not None and dim % source.dim() >= source.dim() - 2:
+            return node.args[0] if start in (None, 0) and step == 1 else None
+        return node.args[0] if _same_block(source, scores) else None
+    return None
+
+
 def _is_causal(mask: object, keeps: bool, scores: torch.Tensor) -> bool:
     """Whether the boolean `mask` is the causal triangle of the scores' last two dims:
-    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their negations and their
-    comparisons with 0."""
-    node = _peel_views(mask)
-    while True:
-        if is_call(node, aten.eq.Scalar) and node.args[1] == 0:
-            node, keeps = _peel_views(node.args[0]), not keeps
-        elif is_call(node, aten.ne.Scalar) and node.args[1] == 0:
-            node = _peel_views(node.args[0])
-        elif is_call(node, aten.bitwise_not.default, aten.logical_not.default):
-            node, keeps = _peel_views(node.args[0]), not keeps
+    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical negations and
+    comparisons with 0, through views that keep it a top-left block of the triangle."""
+    node = mask
+    while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
+        source = tensor_val(node.args[0]) if node.args else None
+        if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
+            keeps = keeps != is_call(node, aten.eq.Scalar)
+            node = node.args[0] if _same_block(source, scores) else None
+        elif is_call(node, aten.logical_not.default) or (
+            is_call(node, aten.bitwise_not.default) and source is not None
+            and source.dtype == torch.bool
+        ):  # fmt: skip
+            keeps = not keeps
+            node = node.args[0] if _same_block(source, scores) else None
         else:
-            break
-    value = tensor_val(node)
-    if value is None or value.dim() < 2 or not _ones(node.args[0] if node.args else None):
+            node = _top_left(node, scores)
+    if node is None or not _ones(node.args[0]):
         return False
-    fits = statically_known_true(value.shape[-2] == scores.shape[-2]) and statically_known_true(
-        value.shape[-1] == scores.shape[-1]
-    )
     diagonal = arg(node, 1, "diagonal", 0)
     if keeps and is_call(node, aten.tril.default):
-        return fits and diagonal == 0
+        return diagonal == 0
     if not keeps and is_call(node, aten.triu.default):
-        return fits and diagonal == 1
+        return diagonal == 1
     return False
 
 
 Link = tuple
-"""One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node),
-("mask", node, keeps, value) or ("cast",)."""
+"""One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node, sign),
+("mask", node, keeps, value), ("shift",) for a constant added to every score, or ("cast",)."""
+
+CAUSAL_FILL = -1e4
+"""A triangle filled with at most this value is read as causal (the kernel skips what it hides):
+exp(-1e4) is 0 in float32, so hidden keys add nothing to a row's softmax either way."""
 
 
 def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
@@ -191,8 +224,13 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     factor = _scale_factor(node)
     if factor is not None and factor[1] != 0:
         return ("scale", factor[1]), [factor[0]]
-    if is_call(node, aten.add.Tensor) and arg(node, 2, "alpha", 1) == 1:
-        return ("add",), [a for a in node.args[:2] if isinstance(a, Node)]
+    if is_call(node, aten.add.Tensor, aten.sub.Tensor) and arg(node, 2, "alpha", 1) == 1:
+        tensors = [a for a in node.args[:2] if isinstance(a, Node)]
+        if len(tensors) == 1 and _constant(node.args[1]) is not None:
+            return ("shift",), tensors  # softmax ignores a constant added to every score
+        if len(tensors) == 2:
+            return (node.target.__name__.split(".")[0],), tensors
+        return None
     if is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         value = _constant(node.args[2])
         if value is None:
@@ -216,15 +254,19 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
     if step is None or isinstance(step, Reject):
         return step
     link, operands = step
-    if link[0] == "add":
-        for above, bias in (operands, operands[::-1]):
+    if link[0] in ("add", "sub"):
+        # scores + bias, bias + scores, scores - bias
+        orders = [operands, operands[::-1]] if link[0] == "add" else [operands]
+        refused = None
+        for above, bias in orders:
             found = _walk_scores(above, sub_links := [], sub_nodes := [])
             bias_val = tensor_val(bias)
             if isinstance(found, Node) and bias_val is not None and bias_val.is_floating_point():
-                links += [("bias", bias), *sub_links]
+                links += [("bias", bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
                 nodes += [node, *sub_nodes]
                 return found
-        return None
+            refused = found if isinstance(found, Reject) else refused
+        return refused
     links.append(link)
     nodes.append(node)
     return _walk_scores(operands[0], links, nodes)
@@ -247,10 +289,24 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
             pass
         elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
             p = float(arg(user, 1, "p"))
+        elif _reaches_values(user):
+            return Reject("the probabilities pass through {} before the matmul with v", user.target)
         else:
             return None
         nodes.append(user)
         node = user
+
+
+def _reaches_values(node: Node, steps: int = 3) -> bool:
+    """Whether `node` flows, through single users, into the left operand of a matmul."""
+    for _ in range(steps):
+        user = only_user(node)
+        if user is None:
+            return False
+        if is_call(user, aten.matmul.default) and user.args[0] is node:
+            return True
+        node = user
+    return False
 
 
 def _operand_scale(node: Node) -> tuple[Node, float]:
@@ -299,24 +355,36 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
 
 def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | Reject:
     """Fold the links (latest first, from the softmax up) into the site's scale, biases and
-    masks: a scale after a bias or a fill scales that bias or value too."""
+    masks: a scale after a bias or a fill scales that bias or value too. The kernel adds the bias
+    before it fills, so a finite fill must not come before a bias add."""
     factor_after = 1.0
-    values = set()
+    values, causal_fills, bias_seen = set(), set(), False
     for link in links:
         if link[0] == "scale":
             factor_after *= link[1]
         elif link[0] == "bias":
-            site.biases.append((link[1], factor_after))
+            site.biases.append((link[1], link[2] * factor_after))
+            bias_seen = True
         elif link[0] == "mask":
             _, mask, keeps, value = link
-            if _is_causal(mask, keeps, scores):
+            if factor_after < 0:
+                return Reject("a negative scale after a mask turns masked scores into maxima")
+            value = value * factor_after if math.isfinite(value) else value
+            if math.isfinite(value) and bias_seen:
+                return Reject(
+                    "a bias is added after a mask filled with {}; the kernel fills last", value
+                )
+            if value <= CAUSAL_FILL and _is_causal(mask, keeps, scores):
                 site.causal = True
+                causal_fills.add(value)
             else:
                 site.keep.append((mask, keeps))
-                values.add(value * factor_after if math.isfinite(value) else value)
+                values.add(value)
     site.scale *= factor_after
-    if len(values) > 1:
-        return Reject("masks fill different values {}; the kernel fills one", sorted(values))
+    finite_causal = {v for v in causal_fills if math.isfinite(v)}
+    if len(values) > 1 or (values and finite_causal and finite_causal != values):
+        fills = sorted(values | causal_fills)
+        return Reject("masks fill different values {}; the kernel fills one", fills)
     if values:
         site.masked_value = values.pop()
     return site
@@ -329,6 +397,8 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | 
 def _check(site: Site) -> Reject | None:
     q, k, v = (tensor_val(n) for n in (site.q, site.k, site.v))
     if site.k_transposed:
+        if k.dim() < 2:
+            return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
     for t in (q, k, v):
         if t.dtype not in attention_op.DTYPES:

@@ -109,6 +109,23 @@ def test_einsum_with_heads_second():
     fused(fn, [q, k, v])
 
 
+def test_einsum_with_keys_first():
+    def fn(q, k, v):
+        s = torch.einsum("bhkd,bhqd->bhqk", k, q) * 0.3
+        return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+
+    fused(fn, qkv())
+
+
+def test_baddbmm_with_a_scale_and_a_bias():
+    def fn(q, k, v, bias):
+        qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
+        s = torch.baddbmm(bias, qf, kf.transpose(1, 2), beta=0.5, alpha=D**-0.5)
+        return torch.bmm(s.softmax(-1), vf)
+
+    fused(fn, [*qkv(), torch.randn(B * H, 1, LK)])
+
+
 def test_bmm_on_flattened_heads_with_a_per_head_mask():
     def fn(q, k, v, bias):
         qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
@@ -338,3 +355,73 @@ def test_compiled_attention_runs_the_kernels_under_the_interpreter():
     assert {k.template for k in report.kernels} >= {
         "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq"
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# masks that only look causal, and orders the kernel cannot follow
+
+
+def forward_kernel_key(report):
+    (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
+    return dict(forward.key)
+
+
+def scores(q, k):
+    return q @ k.transpose(-1, -2) * D**-0.5
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda s, n: s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), 0.0),
+        lambda s, n: torch.where(torch.tril(torch.ones(n, n, dtype=torch.bool)), s, 5.0),
+        # ~ of an integer is not logical not: ~1 = -2 and ~0 = -1, so every key is masked
+        lambda s, n: s.masked_fill((~torch.tril(torch.ones(n, n, dtype=torch.long))).bool(), MIN),
+        # one row of the triangle broadcast over every query keeps key 0 only
+        lambda s, n: s.masked_fill(torch.tril(torch.ones(n, n, dtype=torch.bool))[:1] == 0, -1e9),
+    ],
+    ids=["zero_fill", "positive_fill", "integer_bitwise_not", "one_row_broadcast"],
+)
+def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
+    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=False)
+
+
+def test_a_finite_fill_before_a_bias_stays_unfused():
+    # eager's masked scores are -1e4 + bias; the kernel fills after adding the bias
+    keep = torch.ones(B, 1, LQ, LK, dtype=torch.bool)
+    keep[:, :, 0] = False
+    bias = torch.randn(1, H, LQ, LK).requires_grad_()
+
+    def fn(q, k, v, keep, bias):
+        return softmax_v(scores(q, k).masked_fill(~keep, -1e4) + bias, v)
+
+    check_fusion(
+        fn, [*qkv(), keep, bias], counts={"attention": 0}, missed=["bias is added after a mask"]
+    )
+
+
+def test_a_constant_added_to_every_score_changes_nothing():
+    fused(lambda q, k, v: softmax_v(scores(q, k) + 1.0, v), qkv())
+
+
+def test_a_one_dimensional_key_operand_stays_unfused():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, LQ, D, generator=g).requires_grad_()
+    w = torch.randn(D, generator=g).requires_grad_()
+    v = torch.randn(LQ, D, generator=g).requires_grad_()
+    check_fusion(
+        lambda q, w, v: torch.softmax(q @ w, dim=-1) @ v,
+        [q, w, v],
+        counts={"attention": 0},
+        missed=["key operand of q @ k^T is 1-D"],
+    )
+
+
+def test_float32_values_keep_a_float32_result():
+    g = torch.Generator().manual_seed(0)
+    # small integers: q @ k^T is exact in bf16, so eager and fused see the same scores
+    q = torch.randint(-1, 2, (B, H, LQ, D), generator=g).bfloat16()
+    k = torch.randint(-1, 2, (B, H, LK, D), generator=g).bfloat16()
+    v = torch.randn(B, H, LK, D, generator=g).requires_grad_()
+    fused(lambda q, k, v: softmax_v((q @ k.transpose(-1, -2)).float() * 0.25, v), [q, k, v])
