@@ -115,6 +115,8 @@ def _constant(node: object) -> float | None:
         return float(node.args[0])
     if is_call(node, aten.full.default) and list(node.args[0]) == []:
         return _constant(node.args[1])
+    if is_call(node, aten.zeros.default, aten.ones.default) and list(node.args[0]) == []:
+        return 0.0 if node.target is aten.zeros.default else 1.0
     if is_call(
         node, aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default, *_CASTS
     ):

@@ -184,8 +184,16 @@ def test_bias_added_before_a_scale_is_scaled_with_the_scores():
         lambda s, keep: torch.where(keep, s, MIN),
         lambda s, keep: torch.where(keep, s, torch.tensor(MIN)),
         lambda s, keep: torch.where(~keep, MIN, s),
+        lambda s, keep: torch.where(keep, s, torch.zeros(())),
     ],
-    ids=["masked_fill_inf", "masked_fill_min", "where_min", "where_tensor_min", "where_swapped"],
+    ids=[
+        "masked_fill_inf",
+        "masked_fill_min",
+        "where_min",
+        "where_tensor_min",
+        "where_swapped",
+        "where_zeros_tensor",
+    ],  # fmt: skip
 )
 def test_boolean_masks(apply_mask):
     def fn(q, k, v, keep):
