@@ -17,7 +17,6 @@ import math
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import (
     arg,
@@ -32,17 +31,11 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
+from seqcompile.patterns.attention_masks import CASTS, constant, is_causal
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 
 aten = torch.ops.aten
 FAMILY = "attention"
-_CASTS = (aten.to.dtype,)
-_SHAPE_VIEWS = (
-    aten.view.default,
-    aten.reshape.default,
-    aten.unsqueeze.default,
-    aten.expand.default,
-)
 
 
 @dataclasses.dataclass
@@ -105,109 +98,17 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
 # reading attention written out
 
 
-def _constant(node: object) -> float | None:
-    """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`)."""
-    if isinstance(node, bool):
-        return None
-    if isinstance(node, int | float):
-        return float(node)
-    if is_call(node, aten.scalar_tensor.default):
-        return float(node.args[0])
-    if is_call(node, aten.full.default) and list(node.args[0]) == []:
-        return _constant(node.args[1])
-    if is_call(node, aten.zeros.default, aten.ones.default) and list(node.args[0]) == []:
-        return 0.0 if node.target is aten.zeros.default else 1.0
-    if is_call(
-        node, aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default, *_CASTS
-    ):
-        return _constant(node.args[0])
-    if isinstance(node, Node) and node.op == "get_attr":
-        value = getattr(node.graph.owning_module, node.target, None)
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-            return float(value.item())
-    return None
-
-
 def _scale_factor(node: Node) -> tuple[Node, float] | None:
     """(x, c) for `x * c`, `c * x` or `x / c` with a constant c."""
     if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
         for x, c in (node.args, node.args[::-1]):
-            if isinstance(x, Node) and _constant(c) is not None:
-                return x, _constant(c)
+            if isinstance(x, Node) and constant(c) is not None:
+                return x, constant(c)
     if is_call(node, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs:
-        c = _constant(node.args[1])
+        c = constant(node.args[1])
         if isinstance(node.args[0], Node) and c:
             return node.args[0], 1.0 / c
     return None
-
-
-def _peel_views(node: object) -> object:
-    while is_call(node, *_SHAPE_VIEWS, *_CASTS, aten.slice.Tensor, aten.alias.default):
-        node = node.args[0]
-    return node
-
-
-def _ones(node: object) -> bool:
-    node = _peel_views(node)
-    if is_call(node, aten.ones.default, aten.ones_like.default):
-        return True
-    return is_call(node, aten.full.default) and _constant(node.args[1]) == 1.0
-
-
-def _same_block(value: torch.Tensor | None, scores: torch.Tensor) -> bool:
-    """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
-    return (
-        value is not None
-        and value.dim() >= 2
-        and statically_known_true(value.shape[-2] == scores.shape[-2])
-        and statically_known_true(value.shape[-1] == scores.shape[-1])
-    )
-
-
-def _top_left(node: Node, scores: torch.Tensor) -> object:
-    """Step through one view that keeps the (Lq, Lk) block a top-left block of its input: a
-    reshape adding or dropping leading dims, a cast, or a slice from 0 of one of the last two dims
-    (a top-left block of a triangle is a triangle). None for anything else."""
-    if not _same_block(tensor_val(node), scores):
-        return None
-    if is_call(node, *_SHAPE_VIEWS, aten.alias.default, *_CASTS):
-        source = tensor_val(node.args[0])
-        return node.args[0] if _same_block(source, scores) else None
-    if is_call(node, aten.slice.Tensor):
-        source, dim = tensor_val(node.args[0]), arg(node, 1, "dim", 0)
-        start, step = arg(node, 2, "start"), arg(node, 4, "step", 1)
-        if source is not None and dim % source.dim() >= source.dim() - 2:
-            return node.args[0] if start in (None, 0) and step == 1 else None
-        return node.args[0] if _same_block(source, scores) else None
-    return None
-
-
-def _is_causal(mask: object, keeps: bool, scores: torch.Tensor) -> bool:
-    """Whether the boolean `mask` is the causal triangle of the scores' last two dims:
-    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical negations and
-    comparisons with 0, through views that keep it a top-left block of the triangle."""
-    node = mask
-    while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
-        source = tensor_val(node.args[0]) if node.args else None
-        if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
-            keeps = keeps != is_call(node, aten.eq.Scalar)
-            node = node.args[0] if _same_block(source, scores) else None
-        elif is_call(node, aten.logical_not.default) or (
-            is_call(node, aten.bitwise_not.default) and source is not None
-            and source.dtype == torch.bool
-        ):  # fmt: skip
-            keeps = not keeps
-            node = node.args[0] if _same_block(source, scores) else None
-        else:
-            node = _top_left(node, scores)
-    if node is None or not _ones(node.args[0]):
-        return False
-    diagonal = arg(node, 1, "diagonal", 0)
-    if keeps and is_call(node, aten.tril.default):
-        return diagonal == 0
-    if not keeps and is_call(node, aten.triu.default):
-        return diagonal == 1
-    return False
 
 
 Link = tuple
@@ -221,29 +122,29 @@ exp(-1e4) is 0 in float32, so hidden keys add nothing to a row's softmax either 
 
 def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     """What `node` does to the scores, and the operands that may continue the chain upward."""
-    if is_call(node, *_CASTS):
+    if is_call(node, *CASTS):
         return ("cast",), [node.args[0]]
     factor = _scale_factor(node)
     if factor is not None and factor[1] != 0:
         return ("scale", factor[1]), [factor[0]]
     if is_call(node, aten.add.Tensor, aten.sub.Tensor) and arg(node, 2, "alpha", 1) == 1:
         tensors = [a for a in node.args[:2] if isinstance(a, Node)]
-        if len(tensors) == 1 and _constant(node.args[1]) is not None:
+        if len(tensors) == 1 and constant(node.args[1]) is not None:
             return ("shift",), tensors  # softmax ignores a constant added to every score
         if len(tensors) == 2:
             return (node.target.__name__.split(".")[0],), tensors
         return None
     if is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        value = _constant(node.args[2])
+        value = constant(node.args[2])
         if value is None:
             return Reject("masked_fill with a tensor value; the kernel fills with a constant")
         return ("mask", node.args[1], False, value), [node.args[0]]
     if is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
         cond, a, b = node.args[:3]
-        if _constant(b) is not None and isinstance(a, Node):
-            return ("mask", cond, True, _constant(b)), [a]
-        if _constant(a) is not None and isinstance(b, Node):
-            return ("mask", cond, False, _constant(a)), [b]
+        if constant(b) is not None and isinstance(a, Node):
+            return ("mask", cond, True, constant(b)), [a]
+        if constant(a) is not None and isinstance(b, Node):
+            return ("mask", cond, False, constant(a)), [b]
         return Reject("where() between two tensors on the scores; the kernel fills a constant")
     return None
 
@@ -287,7 +188,7 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
         user = users[0]
         if is_call(user, aten.matmul.default) and user.args[0] is node:
             return user, p, nodes
-        if is_call(user, *_CASTS):
+        if is_call(user, *CASTS):
             pass
         elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
             p = float(arg(user, 1, "p"))
@@ -376,7 +277,7 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | 
                 return Reject(
                     "a bias is added after a mask filled with {}; the kernel fills last", value
                 )
-            if value <= CAUSAL_FILL and _is_causal(mask, keeps, scores):
+            if value <= CAUSAL_FILL and is_causal(mask, keeps, scores):
                 site.causal = True
                 causal_fills.add(value)
             else:

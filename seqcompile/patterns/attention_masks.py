@@ -1,0 +1,107 @@
+"""Reading constants and masks in the attention family: the constant a 0-d tensor in the graph
+holds (`torch.tensor(finfo.min)`, `torch.full([], c)`), and whether a boolean mask is the causal
+triangle of the scores (`tril`/`triu` of ones, through views that keep it a top-left block)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from seqcompile.fx_utils import arg, is_call, tensor_val
+
+aten = torch.ops.aten
+CASTS = (aten.to.dtype,)
+SHAPE_VIEWS = (aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default)
+
+
+def constant(node: object) -> float | None:
+    """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`)."""
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, int | float):
+        return float(node)
+    if is_call(node, aten.scalar_tensor.default):
+        return float(node.args[0])
+    if is_call(node, aten.full.default) and list(node.args[0]) == []:
+        return constant(node.args[1])
+    if is_call(node, aten.zeros.default, aten.ones.default) and list(node.args[0]) == []:
+        return 0.0 if node.target is aten.zeros.default else 1.0
+    if is_call(
+        node, aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default, *CASTS
+    ):
+        return constant(node.args[0])
+    if isinstance(node, Node) and node.op == "get_attr":
+        value = getattr(node.graph.owning_module, node.target, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            return float(value.item())
+    return None
+
+
+def _peel_views(node: object) -> object:
+    while is_call(node, *SHAPE_VIEWS, *CASTS, aten.slice.Tensor, aten.alias.default):
+        node = node.args[0]
+    return node
+
+
+def _ones(node: object) -> bool:
+    node = _peel_views(node)
+    if is_call(node, aten.ones.default, aten.ones_like.default):
+        return True
+    return is_call(node, aten.full.default) and constant(node.args[1]) == 1.0
+
+
+def _same_block(value: torch.Tensor | None, scores: torch.Tensor) -> bool:
+    """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
+    return (
+        value is not None
+        and value.dim() >= 2
+        and statically_known_true(value.shape[-2] == scores.shape[-2])
+        and statically_known_true(value.shape[-1] == scores.shape[-1])
+    )
+
+
+def _top_left(node: Node, scores: torch.Tensor) -> object:
+    """Step through one view that keeps the (Lq, Lk) block a top-left block of its input: a
+    reshape adding or dropping leading dims, a cast, or a slice from 0 of one of the last two dims
+    (a top-left block of a triangle is a triangle). None for anything else."""
+    if not _same_block(tensor_val(node), scores):
+        return None
+    if is_call(node, *SHAPE_VIEWS, aten.alias.default, *CASTS):
+        source = tensor_val(node.args[0])
+        return node.args[0] if _same_block(source, scores) else None
+    if is_call(node, aten.slice.Tensor):
+        source, dim = tensor_val(node.args[0]), arg(node, 1, "dim", 0)
+        start, step = arg(node, 2, "start"), arg(node, 4, "step", 1)
+        if source is not None and dim % source.dim() >= source.dim() - 2:
+            return node.args[0] if start in (None, 0) and step == 1 else None
+        return node.args[0] if _same_block(source, scores) else None
+    return None
+
+
+def is_causal(mask: object, keeps: bool, scores: torch.Tensor) -> bool:
+    """Whether the boolean `mask` is the causal triangle of the scores' last two dims:
+    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical negations and
+    comparisons with 0, through views that keep it a top-left block of the triangle."""
+    node = mask
+    while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
+        source = tensor_val(node.args[0]) if node.args else None
+        if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
+            keeps = keeps != is_call(node, aten.eq.Scalar)
+            node = node.args[0] if _same_block(source, scores) else None
+        elif is_call(node, aten.logical_not.default) or (
+            is_call(node, aten.bitwise_not.default) and source is not None
+            and source.dtype == torch.bool
+        ):  # fmt: skip
+            keeps = not keeps
+            node = node.args[0] if _same_block(source, scores) else None
+        else:
+            node = _top_left(node, scores)
+    if node is None or not _ones(node.args[0]):
+        return False
+    diagonal = arg(node, 1, "diagonal", 0)
+    if keeps and is_call(node, aten.tril.default):
+        return diagonal == 0
+    if not keeps and is_call(node, aten.triu.default):
+        return diagonal == 1
+    return False
