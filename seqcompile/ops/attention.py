@@ -238,11 +238,7 @@ def attention_backward(
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
       masked_value, bias_grad):  # fmt: skip
-    dbias = (
-        bias.new_empty(bias.shape)
-        if bias_grad
-        else q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
-    )
+    dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
@@ -291,7 +287,7 @@ def backward_kernels(
     if bias_grad:
         dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
     else:
-        dbias = q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
+        dbias = reference.no_bias_grad(q, bias)
     return dq, _as_dtype(dk, k_in.dtype), dv, dbias
 
 

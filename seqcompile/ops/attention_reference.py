@@ -93,6 +93,11 @@ def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
     return out.to(v.dtype).contiguous(), row_max, log_sum
 
 
+def no_bias_grad(q: Tensor, bias: Tensor | None) -> Tensor:
+    """The empty tensor the backward returns in place of a bias gradient nobody asked for."""
+    return q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
+
+
 def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
     """Gradient per query head summed over the query heads that share a key/value head."""
     b, h, length, d = grad.shape
@@ -117,11 +122,7 @@ def backward(
     ds = torch.where(attend, prob * (dp - delta), 0.0)
     dq = ds @ expand_heads(k, heads).float() * scale
     dk = ds.transpose(-1, -2) @ q.float() * scale
-    dbias = (
-        ds.sum_to_size(bias.shape).to(bias.dtype)
-        if bias_grad
-        else q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
-    )
+    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else no_bias_grad(q, bias)
     return (
         dq.to(q.dtype),
         _sum_heads(dk, kv_heads).to(k.dtype),

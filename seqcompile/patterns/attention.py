@@ -58,8 +58,6 @@ class Site:
     masked_value: float | None = None
     causal: bool = False
     p: float = 0.0
-    grouped_heads: bool = False
-    """SDPA's `enable_gqa`: k and v carry fewer heads than q."""
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
 
@@ -75,7 +73,6 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
     site = Site(out=node, q=q, k=k, v=v)
     site.p = float(arg(node, 4, "dropout_p", 0.0))
     site.causal = bool(arg(node, 5, "is_causal", False))
-    site.grouped_heads = bool(node.kwargs.get("enable_gqa", False))
     scale = node.kwargs.get("scale")
     head_dim = tensor_val(q).shape[-1]
     if scale is None:
@@ -132,7 +129,7 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
         if len(tensors) == 1 and constant(node.args[1]) is not None:
             return ("shift",), tensors  # softmax ignores a constant added to every score
         if len(tensors) == 2:
-            return (node.target.__name__.split(".")[0],), tensors
+            return ("add" if node.target is aten.add.Tensor else "sub",), tensors
         return None
     if is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         value = constant(node.args[2])
@@ -373,30 +370,11 @@ def _rewrite(site: Site, name: str) -> Rewrite:
             if tensor_val(out).dtype != out_val.dtype:
                 out = ctx.call(aten.to.dtype, out, out_val.dtype)
         site.out.replace_all_uses_with(out)
-        erase_unused([site.out, *site.nodes, *_mask_builders(site)])
+        erase_unused([site.out, *site.nodes])
         _prepare_kernels(ctx, site, bias, mask, name)
         return fused
 
     return apply
-
-
-def _mask_builders(site: Site) -> list[Node]:
-    """Nodes that built masks the fused op no longer reads (a causal triangle), erased when
-    nothing else uses them."""
-    found, frontier = [], [n for n in site.nodes if is_call(n, *_MASKING)]
-    for node in frontier:
-        found += [a for a in node.all_input_nodes if a.op == "call_function" and a not in found]
-    index = 0
-    while index < len(found) and len(found) < 64:
-        found += [a for a in found[index].all_input_nodes if a.op == "call_function"]
-        index += 1
-    return found
-
-
-_MASKING = (
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
-    aten.where.ScalarSelf,
-)  # fmt: skip
 
 
 def _prepare_kernels(

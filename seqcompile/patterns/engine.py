@@ -115,5 +115,6 @@ def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
                 ctx.site = None
                 ctx.report.counts[pattern.family] += 1
             break
+    ctx.gm.graph.eliminate_dead_code()  # what fed only replaced nodes (a causal mask's builders)
     ctx.gm.graph.lint()
     ctx.gm.recompile()

@@ -22,17 +22,6 @@ FLOAT32_MIN = torch.finfo(torch.float32).min
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 
 
-@pytest.fixture(params=["reference", "kernels"])
-def impl(request, monkeypatch):
-    """Which implementation runs on CPU tensors; every output starts as NaN."""
-    monkeypatch.setenv("SEQFAST_POISON", "1")
-    if request.param == "kernels":
-        if torch.cuda.is_available():
-            pytest.skip("the interpreter tier runs on machines without CUDA")
-        monkeypatch.setenv("SEQFAST_INTERPRET", "1")
-    return request.param
-
-
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
              keep=None, p=0.0):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after

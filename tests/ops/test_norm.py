@@ -15,17 +15,6 @@ from seqcompile.ops.random import keep_mask
 add_norm = torch.ops.seqfast.add_norm
 
 
-@pytest.fixture(params=["reference", "kernels"])
-def impl(request, monkeypatch):
-    """Which implementation runs on CPU tensors; every output starts as NaN."""
-    monkeypatch.setenv("SEQFAST_POISON", "1")
-    if request.param == "kernels":
-        if torch.cuda.is_available():
-            pytest.skip("the interpreter tier runs on machines without CUDA")
-        monkeypatch.setenv("SEQFAST_INTERPRET", "1")
-    return request.param
-
-
 def composed(x, residual, branch_bias, weight, bias, keep, p, eps, rms):
     """The op's math from eager ops in float64."""
     s = x.double()
