@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
+import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile.memory import estimate
 from seqcompile.memory.partition import choose_partitioner, partition
@@ -31,6 +32,7 @@ from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
 from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
+from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
 from seqcompile.report import CompileReport, MemoryPlan, publish
 
@@ -94,8 +96,8 @@ def normalize(gm: GraphModule, state: GraphCompile) -> GraphModule:
 
 
 def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
-    """Stage 3: user patterns, then the built-in families, replace sub-graphs with seqfast ops and
-    render their kernels; refusals go to the report."""
+    """Stage 3: user patterns, then the built-in families, then the pointwise region fuser replace
+    sub-graphs with seqfast ops and render their kernels; refusals go to the report."""
     apply_user_patterns(gm, state.fake_mode, state.fake_inputs, state.report)
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in state.example_inputs
@@ -108,6 +110,7 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
     )
     ctx = FuseContext(gm, state.fake_mode, state.report, state.name, training, grad_inputs)
     run_patterns(builtin_patterns(), ctx)
+    fuse_regions(ctx)
     return gm
 
 

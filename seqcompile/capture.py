@@ -34,3 +34,18 @@ def trace_pre_dispatch(
 
     with fake_mode, fx_traceback.preserve_node_meta():
         return make_fx(run, pre_dispatch=True)(*inputs)
+
+
+def trace_function(fn: Any, example_inputs: Sequence[Any], what: str) -> GraphModule:
+    """`fn` traced to pre-dispatch ATen on fake copies of `example_inputs`; a ValueError naming
+    `what` if it cannot be."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [
+        fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
+    ]
+    try:
+        with fake_mode:
+            # through *args, so parameters with defaults (F.relu's `inplace`) are not traced
+            return make_fx(lambda *args: fn(*args), pre_dispatch=True)(*inputs)
+    except Exception as error:
+        raise ValueError(f"{what} could not be traced with the example inputs: {error}") from error

@@ -45,7 +45,11 @@ class KernelSpec:
         return body
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.key)
+        """The key on one line; long values (generated code) are shown by their size."""
+        return ", ".join(
+            f"{k}=<{len(v)} items>" if isinstance(v, tuple) and len(repr(v)) > 80 else f"{k}={v}"
+            for k, v in self.key
+        )
 
 
 def _header(spec: KernelSpec, provenance: str) -> str:

@@ -6,7 +6,7 @@ from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
 from seqcompile.patterns.norm import NormPattern
 
-FAMILIES = ("attention", "norm")
+FAMILIES = ("attention", "norm", "pointwise")
 """Report keys of the built-in families; user patterns may not take these names."""
 
 

@@ -79,7 +79,7 @@ def test_every_attention_site_fuses_and_the_step_matches_eager(model, implementa
         loss = torch.compile(fast, backend="seqfast")(**inputs, use_cache=False).loss
     loss.backward()
 
-    attention_missed = [m for m in report.missed if m.family == "attention"]
+    attention_missed = [m for m in report.missed if m.pattern == "attention"]
     assert report.counts["attention"] == sites and not attention_missed, str(report)
     torch.testing.assert_close(loss, eager(**inputs, use_cache=False).loss, atol=1e-5, rtol=1e-5)
     for (name, p_fast), p_eager in zip(fast.named_parameters(), eager.parameters(), strict=True):

@@ -1,0 +1,367 @@
+"""The expression printer from post-dispatch ATen to Triton: a traced pointwise graph becomes the
+body of the `pointwise` kernel template, one line per node. Floating values are computed in float32
+(float64 when the graph holds float64); an explicit cast to a half type rounds there, as eager does.
+Loads and stores convert from and to whatever dtype the tensors have at launch."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from seqcompile.codegen.render import KernelSpec
+
+aten = torch.ops.aten
+Layout = str | tuple[bool, ...]
+"""How an operand is indexed: "flat" (contiguous over the whole region), "scalar" (one element),
+or, per dimension of the collapsed region shape, whether the operand varies along it (strided)."""
+
+
+class Unprintable(Exception):
+    """A node the printer has no Triton spelling for; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """A placeholder read from tensor parameter `name` with `layout`."""
+
+    name: str
+    layout: Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """A placeholder that is dropout's keep-mask, regenerated from the seed: element `idx` of
+    random stream `stream + offset` is kept when its uniform number is at least `p`."""
+
+    offset: int
+    p: float
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return 'float("nan")'
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else '-float("inf")'
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value)
+    raise Unprintable(f"constant {value!r} of type {type(value).__name__}")
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype is torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "int"
+
+
+_TL_DTYPES = {
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+    torch.int8: "tl.int8",
+    torch.uint8: "tl.uint8",
+    torch.int16: "tl.int16",
+    torch.int32: "tl.int32",
+    torch.int64: "tl.int64",
+}
+
+
+class _Printer:
+    def __init__(self, float_type: str) -> None:
+        self.float_type = float_type
+
+    def cast(self, x: str, src: torch.dtype | None, dtype: torch.dtype) -> str:
+        """`x` (computed as its kind) converted to `dtype`, rounded when `dtype` is a half type."""
+        if dtype is torch.bool:
+            return f"({x} != 0)"
+        if dtype not in _TL_DTYPES:
+            raise Unprintable(f"cast to {dtype}")
+        if dtype.is_floating_point:
+            if dtype in (torch.float16, torch.bfloat16) or (
+                dtype is torch.float32 and self.float_type == "tl.float64"
+            ):
+                return f"{x}.to({_TL_DTYPES[dtype]}).to({self.float_type})"
+            return f"{x}.to({self.float_type})"
+        return f"{x}.to({_TL_DTYPES[dtype]})"
+
+    def as_float(self, x: str, node_arg: Any) -> str:
+        if isinstance(node_arg, Node) and _kind(node_arg.meta["val"].dtype) != "float":
+            return f"{x}.to({self.float_type})"
+        return x
+
+
+_SMALL_POWERS = {
+    0: "({x} * 0.0 + 1.0)",
+    1: "{x}",
+    2: "({x} * {x})",
+    3: "({x} * {x} * {x})",
+    4: "({x} * {x} * {x} * {x})",
+    0.5: "tl.sqrt({x})",
+    -0.5: "tl.rsqrt({x})",
+    -1: "(1.0 / {x})",
+    -2: "(1.0 / ({x} * {x}))",
+}
+
+
+def _pow(x: str, exponent: Any) -> str:
+    if not isinstance(exponent, int | float) or isinstance(exponent, bool):
+        raise Unprintable(f"pow with exponent {exponent!r}")
+    if exponent in _SMALL_POWERS:
+        return _SMALL_POWERS[exponent].format(x=x)
+    magnitude = f"tl.exp2({_literal(float(exponent))} * tl.log2(tl.abs({x})))"
+    if float(exponent).is_integer():
+        return f"(sign({x}) * {magnitude})" if int(exponent) % 2 else magnitude
+    return f"tl.exp2({_literal(float(exponent))} * tl.log2({x}))"
+
+
+def _alpha(node: Node) -> Any:
+    return node.kwargs.get("alpha", 1)
+
+
+def _scaled(b: str, alpha: Any) -> str:
+    return b if alpha == 1 else f"{b} * {_literal(alpha)}"
+
+
+_Rule = Callable[[Node, list[str], _Printer], str]
+
+
+def _unary(fn: str) -> _Rule:
+    return lambda node, a, p: f"{fn}({p.as_float(a[0], node.args[0])})"
+
+
+def _compare(op: str) -> _Rule:
+    return lambda node, a, p: f"({a[0]} {op} {a[1]})"
+
+
+def _logical(op: str) -> _Rule:
+    return lambda node, a, p: f"(({a[0]} != 0) {op} ({a[1]} != 0))"
+
+
+def _gelu(node: Node, a: list[str], p: _Printer) -> str:
+    return f"gelu_tanh({a[0]})" if node.kwargs.get("approximate") == "tanh" else f"gelu({a[0]})"
+
+
+def _gelu_backward(node: Node, a: list[str], p: _Printer) -> str:
+    tanh = node.kwargs.get("approximate", "none") == "tanh"
+    return f"{'gelu_tanh_grad' if tanh else 'gelu_grad'}({a[0]}, {a[1]})"
+
+
+def _to_copy(node: Node, a: list[str], p: _Printer) -> str:
+    dtype = node.kwargs.get("dtype")
+    src = node.args[0].meta["val"].dtype if isinstance(node.args[0], Node) else None
+    return a[0] if dtype is None else p.cast(a[0], src, dtype)
+
+
+def _constant(value_index: int) -> _Rule:
+    def rule(node: Node, a: list[str], p: _Printer) -> str:
+        value = node.args[value_index] if value_index >= 0 else -value_index - 1
+        dtype = node.meta["val"].dtype
+        if dtype is torch.bool:
+            return _literal(bool(value))
+        return _literal(float(value) if dtype.is_floating_point else int(value))
+
+    return rule
+
+
+def _clamp(node: Node, a: list[str], p: _Printer) -> str:
+    lo, hi = (node.args + (None, None))[1:3]
+    x = a[0]
+    if lo is not None:
+        x = f"tl.maximum({x}, {_literal(lo)})"
+    if hi is not None:
+        x = f"tl.minimum({x}, {_literal(hi)})"
+    return x
+
+
+_RULES: dict[Any, _Rule] = {
+    aten.add.Tensor: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
+    aten.add.Scalar: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
+    aten.sub.Tensor: lambda n, a, p: f"({a[0]} - {_scaled(a[1], _alpha(n))})",
+    aten.sub.Scalar: lambda n, a, p: f"({a[0]} - {_scaled(a[1], _alpha(n))})",
+    aten.rsub.Tensor: lambda n, a, p: f"({a[1]} - {_scaled(a[0], _alpha(n))})",
+    aten.rsub.Scalar: lambda n, a, p: f"({a[1]} - {_scaled(a[0], _alpha(n))})",
+    aten.mul.Tensor: lambda n, a, p: f"({a[0]} * {a[1]})",
+    aten.mul.Scalar: lambda n, a, p: f"({a[0]} * {a[1]})",
+    aten.div.Tensor: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
+    aten.div.Scalar: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
+    aten.neg.default: lambda n, a, p: f"(-{a[0]})",
+    aten.reciprocal.default: lambda n, a, p: f"(1.0 / {a[0]})",
+    aten.where.self: lambda n, a, p: f"tl.where({a[0]}, {a[1]}, {a[2]})",
+    aten.masked_fill.Scalar: lambda n, a, p: f"tl.where({a[1]}, {a[2]}, {a[0]})",
+    aten.masked_fill.Tensor: lambda n, a, p: f"tl.where({a[1]}, {a[2]}, {a[0]})",
+    aten.logical_not.default: lambda n, a, p: f"({a[0]} == 0)",
+    aten.logical_and.default: _logical("&"),
+    aten.logical_or.default: _logical("|"),
+    aten.logical_xor.default: _logical("^"),
+    aten.bitwise_not.default: lambda n, a, p: (
+        f"({a[0]} == 0)" if n.meta["val"].dtype is torch.bool else f"(~{a[0]})"
+    ),
+    aten.bitwise_and.Tensor: lambda n, a, p: f"({a[0]} & {a[1]})",
+    aten.bitwise_or.Tensor: lambda n, a, p: f"({a[0]} | {a[1]})",
+    aten.bitwise_xor.Tensor: lambda n, a, p: f"({a[0]} ^ {a[1]})",
+    aten.relu.default: lambda n, a, p: f"tl.where({a[0]} < 0, 0, {a[0]})",
+    aten.threshold_backward.default: lambda n, a, p: f"tl.where({a[1]} <= {a[2]}, 0, {a[0]})",
+    aten.gelu.default: _gelu,
+    aten.gelu_backward.default: _gelu_backward,
+    aten.silu.default: lambda n, a, p: f"({a[0]} * tl.sigmoid({a[0]}))",
+    aten.silu_backward.default: lambda n, a, p: f"silu_grad({a[0]}, {a[1]})",
+    aten.sigmoid.default: _unary("tl.sigmoid"),
+    aten.sigmoid_backward.default: lambda n, a, p: f"({a[0]} * {a[1]} * (1.0 - {a[1]}))",
+    aten.tanh.default: _unary("tanh"),
+    aten.tanh_backward.default: lambda n, a, p: f"({a[0]} * (1.0 - {a[1]} * {a[1]}))",
+    aten.exp.default: _unary("tl.exp"),
+    aten.log.default: _unary("tl.log"),
+    aten.sqrt.default: _unary("tl.sqrt"),
+    aten.rsqrt.default: _unary("tl.rsqrt"),
+    aten.erf.default: _unary("tl.erf"),
+    aten.abs.default: lambda n, a, p: f"tl.abs({a[0]})",
+    aten.sgn.default: _unary("sign"),
+    aten.sign.default: _unary("sign"),
+    aten.pow.Tensor_Scalar: lambda n, a, p: _pow(p.as_float(a[0], n.args[0]), n.args[1]),
+    aten.clamp.default: _clamp,
+    aten.clamp_min.default: _clamp,
+    aten.clamp_max.default: lambda n, a, p: f"tl.minimum({a[0]}, {a[1]})",
+    aten.maximum.default: lambda n, a, p: f"tl.maximum({a[0]}, {a[1]})",
+    aten.minimum.default: lambda n, a, p: f"tl.minimum({a[0]}, {a[1]})",
+    aten._to_copy.default: _to_copy,
+    aten.scalar_tensor.default: _constant(0),
+    aten.full_like.default: _constant(1),
+    aten.zeros_like.default: _constant(-1),
+    aten.ones_like.default: _constant(-2),
+}
+for _name, _op in (
+    ("eq", "=="),
+    ("ne", "!="),
+    ("lt", "<"),
+    ("le", "<="),
+    ("gt", ">"),
+    ("ge", ">="),
+):
+    _RULES[getattr(aten, _name).Tensor] = _compare(_op)
+    _RULES[getattr(aten, _name).Scalar] = _compare(_op)
+
+PRINTABLE = frozenset(_RULES)
+"""Post-dispatch ATen ops the printer spells in Triton."""
+
+
+def _float_type(gm: GraphModule) -> str:
+    wide = any(
+        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype is torch.float64
+        for n in gm.graph.nodes
+    )
+    return "tl.float64" if wide else "tl.float32"
+
+
+def _offset(name: str, layout: Layout) -> str:
+    if layout == "flat":
+        return "idx"
+    terms = [f"c{d} * {name}_stride{d}" for d, varies in enumerate(layout) if varies]
+    return " + ".join(terms) or "0"
+
+
+def render(
+    gm: GraphModule,
+    operands: Sequence[Load | Mask | None],
+    outputs: Sequence[str],
+    rank: int,
+    what: str,
+) -> tuple[KernelSpec, tuple[str, ...]]:
+    """The kernel for `gm`: placeholder i is read as `operands[i]` (None: unused), and the graph's
+    i-th output is stored to the tensor parameter `outputs[i]`. Returns the spec and the kernel's
+    parameter names in order (tensors by name; `<name>_stride<d>`, `size<d>`, `inner<d>`, `N`,
+    `SEED`, `stream`)."""
+    printer = _Printer(_float_type(gm))
+    names: dict[Node, str] = {}
+    body: list[str] = []
+    params: list[tuple[str, str]] = []
+    scalars: list[str] = []
+    used_dims: set[int] = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    masks = False
+
+    for node, operand in zip(placeholders, operands, strict=True):
+        if not node.users:
+            continue
+        var = names[node] = f"v_{node.name}"
+        if isinstance(operand, Mask):
+            masks = True
+            body.append(
+                f"{var} = philox_uniform(seed, idx, stream + {operand.offset}) >= {operand.p!r}"
+            )
+            continue
+        assert operand is not None, f"placeholder {node.name} is read but has no operand"
+        params.append((operand.name, what_of(node)))
+        if isinstance(operand.layout, tuple):
+            for d, varies in enumerate(operand.layout):
+                if varies:
+                    scalars.append(f"{operand.name}_stride{d}")
+                    used_dims.add(d)
+        if operand.layout == "scalar":
+            load = f"tl.load({operand.name})"
+        else:
+            offset = _offset(operand.name, operand.layout)
+            load = f"tl.load({operand.name} + {offset}, mask=live, other=0)"
+        kind = _kind(node.meta["val"].dtype)
+        if kind == "float":
+            load += f".to({printer.float_type})"
+        elif kind == "bool":
+            load = f"({load} != 0)"
+        body.append(f"{var} = {load}")
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rule = _RULES.get(node.target)
+        if rule is None:
+            raise Unprintable(f"{node.target} has no Triton spelling in the pointwise printer")
+        args = [
+            names[a] if isinstance(a, Node) else _literal(a)
+            for a in node.args
+            if not isinstance(a, torch.dtype | torch.device | torch.layout | str)
+        ]
+        var = names[node] = f"v_{node.name}"
+        body.append(f"{var} = {rule(node, args, printer)}")
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for name, value in zip(outputs, output.args[0], strict=True):
+        params.append((name, "output, contiguous over the region"))
+        body.append(f"tl.store({name} + idx, {names[value]}, mask=live)")
+
+    coords = []
+    for d in sorted(used_dims):
+        if d == 0:
+            coords.append("c0 = idx // inner0")
+        elif d == rank - 1:
+            coords.append(f"c{d} = idx % size{d}")
+        else:
+            coords.append(f"c{d} = idx // inner{d} % size{d}")
+    dims = [f"size{d}" for d in sorted(used_dims) if d > 0] + [
+        f"inner{d}" for d in sorted(used_dims) if d < rank - 1
+    ]
+    seed = ["seed = tl.load(SEED)"] if masks else []
+    if masks:
+        params.append(("SEED", "() int64 seed of the graph"))
+        scalars.append("stream")
+    params += [(s, "") for s in scalars + dims + ["N"]]
+    spec = KernelSpec.of(
+        "pointwise",
+        what=what,
+        philox=masks,
+        params=tuple(params),
+        body=tuple(seed + coords + body),
+    )
+    return spec, tuple(p for p, _ in params)
+
+
+def what_of(node: Node) -> str:
+    val = node.meta.get("val")
+    return f"{node.name}: {val.dtype} in the trace" if isinstance(val, torch.Tensor) else node.name

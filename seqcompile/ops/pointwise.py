@@ -1,0 +1,358 @@
+"""The fused pointwise region operator `seqfast::pointwise` and its derived backward
+`seqfast::pointwise_backward`: schema, fake implementation, reference, kernel launch and autograd.
+
+    pointwise(inputs, seed, stream, region) -> outputs
+
+runs region `region` (see `pointwise_region.py`) over the broadcast shape of `inputs`; every output
+has that shape, contiguous. Dropout number k of the region draws random stream `stream + k` of the
+graph's seed at the element's flat index, so the backward regenerates the same mask. The backward
+saves only the inputs its derived graph reads, never an intermediate and never a mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+
+from seqcompile import runtime
+from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen.pointwise import Layout, Load, Mask, render
+from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops.random import keep_mask
+
+Tensor = torch.Tensor
+BLOCK = 1024
+"""Elements per program."""
+
+
+def _shape(inputs: Sequence[Tensor]) -> torch.Size:
+    return torch.broadcast_shapes(*(t.shape for t in inputs))
+
+
+# --------------------------------------------------------------------------------------------
+# layouts: collapse the region's shape and describe how each operand walks it
+
+
+def collapse(
+    shape: Sequence[int], strides: Sequence[Sequence[int]]
+) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dimensions and merge neighbours every operand walks contiguously.
+
+    `strides[i]` are operand i's strides over `shape` (0 where it broadcasts)."""
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    sizes = [shape[d] for d in dims]
+    walks = [[s[d] for d in dims] for s in strides]
+    d = len(sizes) - 2
+    while d >= 0:
+        if all(w[d] == w[d + 1] * sizes[d + 1] for w in walks):
+            sizes[d : d + 2] = [sizes[d] * sizes[d + 1]]
+            for w in walks:
+                w[d : d + 2] = [w[d + 1]]
+        d -= 1
+    return sizes, walks
+
+
+def broadcast_strides(t: Tensor, shape: Sequence[int]) -> list[int]:
+    """`t`'s strides when read as `shape`: 0 along broadcast dimensions."""
+    lead = len(shape) - t.dim()
+    return [
+        0 if d < lead or t.shape[d - lead] == 1 else t.stride(d - lead) for d in range(len(shape))
+    ]
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(sizes):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _layout(walk: list[int], sizes: list[int]) -> Layout:
+    if all(s == 0 for s in walk):
+        return "scalar"
+    if walk == _contiguous_strides(sizes):
+        return "flat"
+    return tuple(s != 0 for s in walk)
+
+
+def _hint(size) -> int:
+    """A concrete size: the value a symbolic size was traced with."""
+    return size if isinstance(size, int) else size.node.hint
+
+
+def _layouts(
+    shape: Sequence[int], operands: Sequence[Tensor], outputs: int
+) -> tuple[list[int], list[list[int]]]:
+    contiguous = _contiguous_strides(shape)
+    strides = [broadcast_strides(t, shape) for t in operands] + [contiguous] * outputs
+    return collapse(shape, strides)
+
+
+def compile_time_specs(
+    region: regions.Region, inputs: Sequence[Tensor], needs_grad: Sequence[bool] | None
+) -> list[KernelSpec]:
+    """The kernels a compiled graph will launch, rendered now at the traced sizes and strides (so
+    an op the printer lacks fails the compile, not the run): the forward, and the backward when
+    `needs_grad` names an input needing a gradient."""
+    concrete = [
+        torch.empty_strided(
+            [_hint(s) for s in t.shape],
+            [_hint(s) for s in t.stride()],
+            dtype=t.dtype,
+            device="meta",
+        )
+        for t in inputs
+    ]
+    shape = list(_shape(concrete))
+    outputs = len(regions.output_dtypes(region, [t.dtype for t in inputs]))
+    sizes, walks = _layouts(shape, concrete, outputs)
+    layouts = tuple(_layout(w, sizes) for w in walks[: len(concrete)])
+    specs = [forward_spec(region.key, layouts, len(sizes), outputs)[0]]
+    if needs_grad is not None and any(needs_grad):
+        plan_key = (tuple(needs_grad), (True,) * outputs)
+        plan = regions.backward_plan(region.key, *plan_key)
+        if plan.computed:
+            saved = [t for t, keep in zip(concrete, plan.saved, strict=True) if keep]
+            grads = [torch.empty(shape, device="meta")] * outputs
+            sizes, walks = _layouts(shape, saved + grads, len(plan.computed))
+            layouts = tuple(_layout(w, sizes) for w in walks[: len(saved) + len(grads)])
+            specs.append(backward_spec(region.key, plan_key, layouts, len(sizes))[0])
+    return specs
+
+
+def _launch(
+    spec_of, tensors: dict[str, Tensor], shape: torch.Size, outputs: dict[str, Tensor], extra: dict
+) -> None:
+    """Collapse the region, render (or reuse) the kernel for the operands' layouts and launch it."""
+    names = list(tensors) + list(outputs)
+    operands = list(tensors.values()) + list(outputs.values())
+    sizes, walks = collapse(list(shape), [broadcast_strides(t, shape) for t in operands])
+    layouts = tuple(_layout(w, sizes) for w in walks[: len(tensors)])
+    spec, params = spec_of(layouts, len(sizes))
+    values = {**tensors, **outputs, **extra, "N": math.prod(shape)}
+    for name, walk in zip(names, walks, strict=True):
+        values.update({f"{name}_stride{d}": s for d, s in enumerate(walk)})
+    inner = _contiguous_strides(sizes)
+    values.update({f"size{d}": s for d, s in enumerate(sizes)})
+    values.update({f"inner{d}": s for d, s in enumerate(inner)})
+    grid = (triton.cdiv(values["N"], BLOCK),)
+    kernel_function(spec)[grid](*(values[p] for p in params), BLOCK=BLOCK, num_warps=4)
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_spec(
+    key: str, layouts: tuple[Layout, ...], rank: int, outputs: int
+) -> tuple[KernelSpec, tuple[str, ...]]:
+    region = regions.lookup(key)
+    operands = [Load(f"IN{i}", layout) for i, layout in enumerate(layouts)] + [
+        Mask(k, p) for k, p in enumerate(region.dropout_p)
+    ]
+    names = [f"OUT{j}" for j in range(outputs)]
+    return render(region.forward, operands, names, rank, f"forward of region {key}")
+
+
+def backward_spec(
+    key: str, plan_key: tuple, layouts: tuple[Layout, ...], rank: int
+) -> tuple[KernelSpec, tuple[str, ...]]:
+    return _backward_spec(key, plan_key, layouts, rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_spec(key, plan_key, layouts, rank):
+    region = regions.lookup(key)
+    plan = regions.backward_plan(key, *plan_key)
+    needs_grad, has_grad = plan_key
+    saved = [i for i, s in enumerate(plan.saved) if s]
+    layout_of = dict(
+        zip(
+            [f"IN{i}" for i in saved] + [f"GRAD{j}" for j in range(sum(has_grad))],
+            layouts,
+            strict=True,
+        )
+    )
+    operands = [
+        Load(f"IN{i}", layout_of[f"IN{i}"]) if s else None for i, s in enumerate(plan.saved)
+    ]
+    operands += [Mask(k, p) for k, p in enumerate(region.dropout_p)]
+    operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(sum(has_grad))]
+    names = [f"DIN{j}" for j in range(len(plan.computed))]
+    return render(plan.graph, operands, names, rank, f"backward of region {key}")
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+
+
+@torch.library.custom_op("seqfast::pointwise", mutates_args=())
+def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: str) -> list[Tensor]:
+    spec = regions.lookup(region)
+    if len(inputs) != spec.num_inputs:
+        raise ValueError(
+            f"seqfast::pointwise: region {region} takes {spec.num_inputs} inputs; got {len(inputs)}"
+        )
+    if spec.dropout_p and seed is None:
+        raise ValueError("seqfast::pointwise: a region with dropout needs a seed tensor")
+    shape = _shape(inputs)
+    dtypes = regions.output_dtypes(spec, [t.dtype for t in inputs])
+    if runtime.use_kernels(inputs[0]):
+        outputs = {
+            f"OUT{j}": runtime.empty(tuple(shape), d, inputs[0].device)
+            for j, d in enumerate(dtypes)
+        }
+        if math.prod(shape) > 0:
+            extra = {"SEED": seed, "stream": stream} if spec.dropout_p else {}
+            _launch(
+                lambda layouts, rank: forward_spec(region, layouts, rank, len(dtypes)),
+                {f"IN{i}": t for i, t in enumerate(inputs)},
+                shape,
+                outputs,
+                extra,
+            )
+        return list(outputs.values())
+    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(spec.dropout_p)]
+    results = spec.forward(*inputs, *masks)
+    return [r.to(d).expand(shape).contiguous() for r, d in zip(results, dtypes, strict=True)]
+
+
+@pointwise.register_fake
+def _(inputs, seed, stream, region):
+    spec = regions.lookup(region)
+    shape = _shape(inputs)
+    dtypes = regions.output_dtypes(spec, [t.dtype for t in inputs])
+    return [inputs[0].new_empty(shape, dtype=d) for d in dtypes]
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+
+
+@torch.library.custom_op("seqfast::pointwise_backward", mutates_args=())
+def pointwise_backward(
+    saved: list[Tensor],
+    grads: list[Tensor],
+    seed: Tensor | None,
+    stream: int,
+    region: str,
+    needs_grad: list[bool],
+    has_grad: list[bool],
+    dtypes: list[int],
+) -> list[Tensor]:
+    """The gradients the derived backward computes (`BackwardPlan.computed`), each with the
+    region's shape; `saved` holds the inputs the plan reads, `grads` the present output
+    gradients, and `dtypes` the dtype code of each computed gradient."""
+    plan_key = (tuple(needs_grad), tuple(has_grad))
+    plan = regions.backward_plan(region, *plan_key)
+    spec = regions.lookup(region)
+    shape = grads[0].shape
+    out_dtypes = [_DTYPES[c] for c in dtypes]
+    device = grads[0].device
+    if runtime.use_kernels(grads[0]):
+        outputs = {
+            f"DIN{j}": runtime.empty(tuple(shape), d, device) for j, d in enumerate(out_dtypes)
+        }
+        if math.prod(shape) > 0 and outputs:
+            saved_index = [i for i, s in enumerate(plan.saved) if s]
+            tensors = {f"IN{i}": t for i, t in zip(saved_index, saved, strict=True)}
+            tensors.update({f"GRAD{j}": g for j, g in enumerate(grads)})
+            extra = {"SEED": seed, "stream": stream} if spec.dropout_p else {}
+            _launch(
+                lambda layouts, rank: backward_spec(region, plan_key, layouts, rank),
+                tensors,
+                shape,
+                outputs,
+                extra,
+            )
+        return list(outputs.values())
+    return _backward_reference(spec, plan, saved, grads, seed, stream, shape, out_dtypes)
+
+
+def _backward_reference(spec, plan, saved, grads, seed, stream, shape, out_dtypes):
+    """Run the derived graph with the captured dtypes on inputs expanded to the region's shape."""
+    saved_iter = iter(saved)
+    inputs = [
+        next(saved_iter).to(dtype).expand(shape) if keep else None
+        for keep, dtype in zip(plan.saved, spec.input_dtypes, strict=True)
+    ]
+    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(spec.dropout_p)]
+    grad_dtypes = [p.meta["val"].dtype for p in plan.graph.graph.nodes if p.op == "placeholder"][
+        spec.num_inputs + len(masks) :
+    ]
+    grads = [g.to(d) for g, d in zip(grads, grad_dtypes, strict=True)]
+    results = plan.graph(*inputs, *masks, *grads)
+    return [r.to(d).expand(shape).contiguous() for r, d in zip(results, out_dtypes, strict=True)]
+
+
+@pointwise_backward.register_fake
+def _(saved, grads, seed, stream, region, needs_grad, has_grad, dtypes):
+    return [grads[0].new_empty(grads[0].shape, dtype=_DTYPES[c]) for c in dtypes]
+
+
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+)  # fmt: skip
+"""Dtype codes of `pointwise_backward`'s `dtypes` argument (custom ops take no dtype lists)."""
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+
+
+def _setup_context(ctx, inputs, output):
+    tensors, seed, stream, region = inputs
+    needs_grad = tuple(
+        bool(need) and t.dtype.is_floating_point
+        for need, t in zip(ctx.needs_input_grad[: len(tensors)], tensors, strict=True)
+    )
+    ctx.config = (region, stream, needs_grad, [(t.shape, t.dtype) for t in tensors])
+    plan = regions.backward_plan(region, needs_grad, (True,) * len(output))
+    ctx.save_for_backward(seed, *(t for t, keep in zip(tensors, plan.saved, strict=True) if keep))
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grads):
+    region, stream, needs_grad, metas = ctx.config
+    seed, *saved_all = ctx.saved_tensors
+    has_grad = tuple(g is not None for g in grads)
+    if not any(has_grad) or not any(needs_grad):
+        return None, None, None, None
+    full_plan = regions.backward_plan(region, needs_grad, (True,) * len(grads))
+    plan = regions.backward_plan(region, needs_grad, has_grad)
+    kept = iter(saved_all)
+    by_input = [next(kept) if keep else None for keep in full_plan.saved]
+    saved = [t for t, keep in zip(by_input, plan.saved, strict=True) if keep]
+    present = [g for g in grads if g is not None]
+    shape = present[0].shape
+    computed_dtypes = _computed_dtypes(plan, metas, shape)
+    computed = torch.ops.seqfast.pointwise_backward(
+        saved, present, seed, stream, region, list(needs_grad), list(has_grad),
+        [_DTYPES.index(d) for d in computed_dtypes],
+    )  # fmt: skip
+    result = []
+    for (in_shape, dtype), how in zip(metas, plan.input_grads, strict=True):
+        if how.kind == "none":
+            result.append(None)
+            continue
+        grad = present[how.index] if how.kind == "passthrough" else computed[how.index]
+        if tuple(in_shape) != tuple(shape):
+            grad = grad.sum_to_size(in_shape)
+        result.append(grad.to(dtype))
+    return result, None, None, None
+
+
+def _computed_dtypes(plan, metas, shape) -> list[torch.dtype]:
+    """Each computed gradient is stored in the dtype of the first full-size input it belongs to,
+    else in float32 (it is then summed down to a broadcast input's shape)."""
+    dtypes: list[torch.dtype | None] = [None] * len(plan.computed)
+    for (in_shape, dtype), how in zip(metas, plan.input_grads, strict=True):
+        if how.kind == "computed" and dtypes[how.index] is None and tuple(in_shape) == tuple(shape):
+            dtypes[how.index] = dtype
+    return [d or torch.float32 for d in dtypes]
+
+
+pointwise.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,225 @@
+"""The program of a fused pointwise region: its forward traced to post-dispatch ATen with dropout
+written as a mask input, the backward derived by tracing `torch.autograd.grad` through that forward,
+and a process-wide registry that `seqfast::pointwise` looks regions up in by key.
+
+Both graphs are traced on one-dimensional stand-ins of the region's inputs (every input expanded
+to the region's shape), so the backward never reduces: the gradient of a broadcast input comes out
+full-size and is summed to the input's shape by the caller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule, Node
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+_STAND_IN = (2,)
+"""Shape of every input while tracing: pointwise math does not depend on it."""
+_IDENTITY = (
+    aten.detach.default,
+    aten.detach_copy.default,
+    aten.alias_copy.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.lift_fresh_copy.default,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A fused pointwise region, shared by every site with the same math."""
+
+    key: str
+    forward: GraphModule
+    """Placeholders: the region inputs, then one bool keep-mask per dropout; returns the outputs."""
+    input_dtypes: tuple[torch.dtype, ...]
+    """Dtypes of the inputs when the region was captured (the graph is traced with them)."""
+    zero_dim: tuple[bool, ...]
+    """Which inputs are 0-d: they take part in type promotion as weak operands."""
+    dropout_p: tuple[float, ...]
+    """Drop probability of each dropout, in the order of the mask placeholders."""
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.input_dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputGrad:
+    """How the backward produces one input's gradient: none, an incoming output gradient passed
+    through unchanged, or a value the backward kernel computes."""
+
+    kind: str  # "none" | "passthrough" | "computed"
+    index: int = -1
+    """Which output gradient (passthrough) or which computed value (computed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """The derived backward of a region for one set of inputs needing and outputs carrying grads."""
+
+    graph: GraphModule
+    """Placeholders: region inputs, keep-masks, present output gradients; returns `computed`."""
+    computed: tuple[Node, ...]
+    """Distinct gradient values the kernel writes."""
+    input_grads: tuple[InputGrad, ...]
+    """One per region input."""
+    saved: tuple[bool, ...]
+    """Which region inputs the backward reads (the forward keeps only these)."""
+
+
+class UnsupportedRegion(Exception):
+    """The region cannot be traced or printed; the message says why."""
+
+
+_registry: dict[str, Region] = {}
+
+
+def lookup(key: str) -> Region:
+    try:
+        return _registry[key]
+    except KeyError:
+        raise RuntimeError(
+            f"seqfast::pointwise: region {key!r} is not registered in this process; regions are "
+            "registered when a graph that uses them is compiled"
+        ) from None
+
+
+def _stand_in(mode: FakeTensorMode, dtype: torch.dtype, requires_grad: bool = False):
+    with mode:
+        return torch.empty(_STAND_IN, dtype=dtype, requires_grad=requires_grad)
+
+
+def _clean(gm: GraphModule) -> GraphModule:
+    """Drop identity ops and dead code from a traced graph."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _IDENTITY:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _trace(fn, inputs: Sequence[torch.Tensor], mode: FakeTensorMode) -> GraphModule:
+    """Trace in a thread of its own: the caller may be inside an autograd.Function forward (autograd
+    keys excluded, grad off) or inside another trace (modes on its stack), all thread-local."""
+
+    def trace() -> GraphModule:
+        with mode, torch.enable_grad():
+            traced = make_fx(fn)(*inputs)
+            # autograd's formulas may write in place (clamp's mask): retrace without mutations
+            plain = [t.detach() for t in inputs]
+            return _clean(make_fx(functionalize(traced, remove="mutations_and_views"))(*plain))
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(trace).result()
+    except Exception as error:  # a region op that fake tensors or autograd cannot trace
+        raise UnsupportedRegion(f"tracing the region failed: {error}") from error
+
+
+def register(
+    graph: Graph,
+    input_dtypes: Sequence[torch.dtype],
+    zero_dim: Sequence[bool],
+    dropout_p: Sequence[float],
+) -> Region:
+    """Trace `graph` (placeholders: inputs, then keep-masks; output: a list) and register it."""
+    mode = FakeTensorMode()
+    module = GraphModule(torch.nn.Module(), graph)
+    inputs = [_stand_in(mode, d) for d in input_dtypes] + [
+        _stand_in(mode, torch.bool) for _ in dropout_p
+    ]
+    forward = _trace(module, inputs, mode)
+    text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(zero_dim)}|{tuple(dropout_p)}"
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    region = _registry.get(key)
+    if region is None:
+        region = Region(key, forward, tuple(input_dtypes), tuple(zero_dim), tuple(dropout_p))
+        _registry[key] = region
+    return region
+
+
+@functools.lru_cache(maxsize=512)
+def backward_plan(
+    key: str, needs_grad: tuple[bool, ...], has_grad: tuple[bool, ...]
+) -> BackwardPlan:
+    """Differentiate region `key` for the inputs in `needs_grad`, given the outputs in `has_grad`
+    receive gradients. Gradients the trace leaves as an incoming gradient pass through."""
+    region = lookup(key)
+    out_dtypes = [n.meta["val"].dtype for n in _outputs(region.forward)]
+    has_grad = tuple(h and d.is_floating_point for h, d in zip(has_grad, out_dtypes, strict=True))
+    num_masks, count = len(region.dropout_p), region.num_inputs
+
+    def joint(*flat):
+        inputs, masks, grads = (
+            flat[:count],
+            flat[count : count + num_masks],
+            flat[count + num_masks :],
+        )
+        outs = region.forward(*inputs, *masks)
+        chosen = [o for o, has in zip(outs, has_grad, strict=True) if has]
+        wrt = [x for x, need in zip(inputs, needs_grad, strict=True) if need]
+        return list(torch.autograd.grad(chosen, wrt, grads, allow_unused=True))
+
+    mode = FakeTensorMode()
+    inputs = [
+        _stand_in(mode, d, need and d.is_floating_point)
+        for d, need in zip(region.input_dtypes, needs_grad, strict=True)
+    ]
+    masks = [_stand_in(mode, torch.bool) for _ in range(num_masks)]
+    grads = [_stand_in(mode, d) for d, has in zip(out_dtypes, has_grad, strict=True) if has]
+    graph = _trace(joint, (*inputs, *masks, *grads), mode)
+
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    grad_placeholders = placeholders[region.num_inputs + num_masks :]
+    results = iter(_outputs(graph))
+    computed: list[Node] = []
+    input_grads = []
+    for need in needs_grad:
+        result = next(results) if need else None
+        if result is None:
+            input_grads.append(InputGrad("none"))
+        elif result in grad_placeholders:
+            input_grads.append(InputGrad("passthrough", grad_placeholders.index(result)))
+        else:
+            if result not in computed:
+                computed.append(result)
+            input_grads.append(InputGrad("computed", computed.index(result)))
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    output.args = (list(computed),)
+    graph = _clean(graph)
+    saved = tuple(bool(p.users) for p in placeholders[: region.num_inputs])
+    return BackwardPlan(graph, tuple(computed), tuple(input_grads), saved)
+
+
+def _outputs(gm: GraphModule) -> list[Node | None]:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(output.args[0])
+
+
+def output_dtypes(region: Region, input_dtypes: Sequence[torch.dtype]) -> list[torch.dtype]:
+    """Output dtypes for inputs of `input_dtypes`, by torch's own type promotion: the forward runs
+    on meta tensors shaped like the inputs (0-d where the input is 0-d)."""
+    return list(_output_dtypes(region.key, tuple(input_dtypes)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _output_dtypes(key: str, input_dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
+    region = lookup(key)
+    inputs = [
+        torch.empty(() if zero else (1,), dtype=dtype, device="meta")
+        for dtype, zero in zip(input_dtypes, region.zero_dim, strict=True)
+    ]
+    masks = [torch.empty((1,), dtype=torch.bool, device="meta") for _ in region.dropout_p]
+    return tuple(out.dtype for out in region.forward(*inputs, *masks))

@@ -1,0 +1,362 @@
+"""The pointwise region fuser, the fuse stage's last pass: every maximal connected region of
+supported element-wise ops of one shape becomes one `seqfast::pointwise` call whose kernels are
+generated from the region (see `ops/pointwise.py`). A linear's bias feeding a region is moved into
+it, so the matmul runs without its epilogue. Unsupported element-wise ops next to a region are
+reported with the reason the region ends there."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from seqcompile.capture import trace_function
+from seqcompile.codegen.pointwise import Unprintable
+from seqcompile.fx_utils import (
+    arg,
+    insert_getitem,
+    is_barrier,
+    node_order,
+    same_shape,
+    site_name,
+    tensor_val,
+)
+from seqcompile.normalize import normalize_graph
+from seqcompile.ops import pointwise as pointwise_op
+from seqcompile.ops import pointwise_region as regions
+from seqcompile.patterns.engine import FuseContext, Reject
+from seqcompile.report import Missed
+
+aten = torch.ops.aten
+FAMILY = "pointwise"
+USER_PATTERN = "seqfast_user_pattern"
+"""Node meta key a pointwise user pattern sets on the nodes of each of its matches."""
+
+_COMPARISONS = [
+    getattr(getattr(aten, name), overload)
+    for name in ("eq", "ne", "lt", "le", "gt", "ge")
+    for overload in ("Tensor", "Scalar")
+]
+SUPPORTED = frozenset(
+    [
+        aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
+        aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
+        aten.neg.default, aten.reciprocal.default, aten.where.self, aten.where.ScalarOther,
+        aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+        aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
+        aten.logical_xor.default, aten.bitwise_not.default, aten.relu.default, aten.gelu.default,
+        aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.exp.default,
+        aten.log.default, aten.sqrt.default, aten.rsqrt.default, aten.erf.default,
+        aten.abs.default, aten.sign.default, aten.sgn.default, aten.pow.Tensor_Scalar,
+        aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default,
+        aten.minimum.default, aten.to.dtype, aten._to_copy.default, aten.clone.default,
+        aten.dropout.default, aten.square.default, aten.min.other, aten.max.other,
+        aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, *_COMPARISONS,
+    ]
+)  # fmt: skip
+"""Pre-dispatch ATen ops a region may hold."""
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.clone.default)
+_DTYPES = frozenset(
+    [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int8,
+     torch.uint8, torch.int16, torch.int32, torch.int64]
+)  # fmt: skip
+
+
+def refusal(node: Node) -> Reject | None:
+    """Why `node` cannot join a pointwise region (None: it can)."""
+    if node.target not in SUPPORTED:
+        return Reject("{} is not supported by the pointwise fuser", node.target)
+    out = tensor_val(node)
+    if out is None or out.dtype not in _DTYPES or out.device.type not in ("cuda", "cpu"):
+        return Reject("{} produces a value the kernels do not take", node.target)
+    for a in [*node.args, *node.kwargs.values()]:
+        if isinstance(a, Node):
+            v = tensor_val(a)
+            if v is None or v.device != out.device or v.dtype not in _DTYPES:
+                return Reject("{} reads a non-tensor or another device's tensor", node.target)
+        elif isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return Reject("{} has a symbolic scalar argument", node.target)
+        elif isinstance(a, list | tuple):
+            return Reject("{} has a list argument", node.target)
+    if node.target is aten._to_copy.default and node.kwargs.get("device", out.device) != out.device:
+        return Reject("a copy to another device")
+    if node.target is aten.dropout.default:
+        p, train = arg(node, 1, "p"), arg(node, 2, "train")
+        if not isinstance(p, numbers.Real) or not 0 < p < 1 or train is not True:
+            return Reject("dropout with p={} train={}", p, train)
+    return None
+
+
+def unsupported_ops(gm: GraphModule) -> list[str]:
+    """The ops of `gm` that cannot join a pointwise region, each once."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target not in SUPPORTED:
+            found.append(str(node.target))
+    return sorted(set(found))
+
+
+def region_of_function(fn, example_inputs) -> regions.Region:
+    """All of `fn`'s ops as one region: inputs are `fn`'s tensor arguments in order and outputs
+    its returned tensors (used to test the operator on its own)."""
+    gm = trace_function(fn, example_inputs, "the region function")
+    normalize_graph(
+        gm, next(tensor_val(n) for n in gm.graph.nodes if n.op == "placeholder").fake_mode
+    )
+    unsupported = unsupported_ops(gm)
+    if unsupported:
+        raise ValueError(f"not pointwise: {', '.join(unsupported)}")
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = output.args[0]
+    outputs = list(returned) if isinstance(returned, list | tuple) else [returned]
+    return Cut(nodes, inputs, outputs).register()
+
+
+@dataclasses.dataclass
+class _Region:
+    nodes: list[Node]
+    mask: int
+    """Bits of the region ids merged into this region."""
+
+
+class _Regions:
+    """Greedy grouping in graph order. A node joins the regions of its same-shape producers unless
+    that would close a cycle through a node outside (an input that depends on one of them)."""
+
+    def __init__(self, ctx: FuseContext) -> None:
+        self.of: dict[Node, _Region] = {}
+        self.reach: dict[Node, int] = {}
+        self.epoch: dict[Node, int] = {}
+        self.next_bit = 0
+        self.ctx = ctx
+
+    def _depends(self, node: Node) -> int:
+        bits = 0
+        for i in node.all_input_nodes:
+            bits |= self.reach.get(i, 0)
+            if i in self.of:
+                bits |= self.of[i].mask
+        return bits
+
+    def add(self, node: Node, epoch: int, eligible: bool) -> None:
+        self.epoch[node] = epoch
+        if eligible:
+            self._place(node)
+        self.reach[node] = self._depends(node)
+
+    def _place(self, node: Node) -> None:
+        shape = tensor_val(node)
+        candidates: list[_Region] = []
+        for i in node.all_input_nodes:
+            region = self.of.get(i)
+            if (
+                region is not None
+                and region not in candidates
+                and self.epoch[i] == self.epoch[node]
+                and same_shape(tensor_val(i), shape)
+            ):
+                candidates.append(region)
+        for chosen in (candidates, *([c] for c in candidates)):
+            if chosen and self._can_merge(node, chosen):
+                target = chosen[0]
+                for other in chosen[1:]:
+                    target.nodes += other.nodes
+                    target.mask |= other.mask
+                    for n in other.nodes:
+                        self.of[n] = target
+                target.nodes.append(node)
+                self.of[node] = target
+                return
+        self.of[node] = _Region([node], 1 << self.next_bit)
+        self.next_bit += 1
+
+    def _can_merge(self, node: Node, chosen: list[_Region]) -> bool:
+        members = {n for r in chosen for n in r.nodes} | {node}
+        mask = 0
+        for r in chosen:
+            mask |= r.mask
+        feeding = [i for n in members for i in n.all_input_nodes if i not in members]
+        return not any(self.reach.get(i, 0) & mask for i in feeding)
+
+    def regions(self) -> list[_Region]:
+        unique = {id(r): r for r in self.of.values()}
+        return list(unique.values())
+
+
+def _worth_fusing(nodes: list[Node]) -> bool:
+    if any(n.target is aten.dropout.default or USER_PATTERN in n.meta for n in nodes):
+        return True
+    return sum(n.target not in _CASTS for n in nodes) >= 2
+
+
+def _fold_linear_biases(ctx: FuseContext, ok: dict[Node, bool]) -> None:
+    """`linear(x, w, b)` whose users are all element-wise computations becomes `linear(x, w) + b`,
+    so the bias add joins their region."""
+    for node in list(ctx.gm.graph.nodes):
+        if node.target is not aten.linear.default or arg(node, 2, "bias") is None:
+            continue
+        users = list(node.users)
+        out = tensor_val(node)
+        if not users or not all(
+            ok.get(u) and u.target not in _CASTS and same_shape(tensor_val(u), out) for u in users
+        ):
+            continue
+        bias = arg(node, 2, "bias")
+        ctx.site = node
+        with ctx.gm.graph.inserting_after(node):
+            bare = ctx.call(aten.linear.default, node.args[0], node.args[1])
+        with ctx.gm.graph.inserting_after(bare):
+            added = ctx.call(aten.add.Tensor, bare, bias)
+        ctx.site = None
+        added.meta["seqfast_folded_bias"] = True
+        node.replace_all_uses_with(added)
+        ctx.gm.graph.erase_node(node)
+        ok[added] = True
+
+
+def fuse_regions(ctx: FuseContext) -> None:
+    """Replace every region worth fusing (two or more computing ops, a dropout, or a user
+    pattern's match) with one `seqfast::pointwise` call."""
+    graph = ctx.gm.graph
+    refusals = {n: refusal(n) for n in graph.nodes if n.op == "call_function"}
+    ok = {n: r is None for n, r in refusals.items()}
+    _fold_linear_biases(ctx, ok)
+    grouping = _Regions(ctx)
+    epoch = 0
+    for node in graph.nodes:
+        if is_barrier(node):
+            epoch += 1
+        grouping.add(node, epoch, ok.get(node, False))
+    order = node_order(graph)
+    chosen = [
+        sorted(r.nodes, key=order.__getitem__) for r in grouping.regions() if _worth_fusing(r.nodes)
+    ]
+    borders = _borders(refusals, {n for nodes in chosen for n in nodes})
+    fused: set[Node] = set()
+    for nodes in chosen:
+        reason = _replace(ctx, nodes)
+        if reason is not None:
+            ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, reason))
+        else:
+            fused.update(nodes)
+    for node, (reason, neighbours) in borders.items():
+        if neighbours & fused:
+            ctx.report.missed.append(
+                Missed(site_name(node), FAMILY, f"{reason}; the region is split here")
+            )
+    graph.lint()
+    ctx.gm.recompile()
+
+
+def _borders(
+    refusals: dict[Node, Reject | None], candidates: set[Node]
+) -> dict[Node, tuple[str, set[Node]]]:
+    """Refused element-wise ops next to a region about to be fused, with their neighbours."""
+    borders = {}
+    for node, refused in refusals.items():
+        if refused is None or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+            continue
+        neighbours = (set(node.all_input_nodes) | set(node.users)) & candidates
+        if neighbours:
+            borders[node] = (refused.reason, neighbours)
+    return borders
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A region cut out of a graph: its nodes in graph order, the values it reads from outside,
+    and the values read outside it."""
+
+    nodes: list[Node]
+    inputs: list[Node]
+    outputs: list[Node]
+
+    @classmethod
+    def of(cls, nodes: list[Node]) -> Cut:
+        members = set(nodes)
+        inputs: list[Node] = []
+        for n in nodes:
+            inputs += [i for i in n.all_input_nodes if i not in members and i not in inputs]
+        outputs = [n for n in nodes if any(u not in members for u in n.users)]
+        return cls(nodes, inputs, outputs)
+
+    @property
+    def dropouts(self) -> list[Node]:
+        return [n for n in self.nodes if n.target is aten.dropout.default]
+
+    def register(self) -> regions.Region:
+        """The region's program (dropout as a keep-mask input), traced and registered."""
+        program = Graph()
+        env = {i: program.placeholder(f"in{k}") for k, i in enumerate(self.inputs)}
+        masks = [program.placeholder(f"keep{k}") for k in range(len(self.dropouts))]
+        for n in self.nodes:
+            if n.target is aten.dropout.default:
+                scale = 1.0 / (1.0 - float(arg(n, 1, "p")))
+                scaled = program.call_function(aten.mul.Tensor, (env[n.args[0]], scale))
+                keep = masks[self.dropouts.index(n)]
+                env[n] = program.call_function(aten.where.ScalarOther, (keep, scaled, 0.0))
+            else:
+                env[n] = program.node_copy(n, lambda a: env[a])
+        program.output([env[o] for o in self.outputs])
+        members = set(self.nodes)
+        values = [tensor_val(i) for i in self.inputs]
+        weak = [
+            v.dim() == 0 or _is_folded_bias(i, members)
+            for i, v in zip(self.inputs, values, strict=True)
+        ]
+        drop_p = [float(arg(d, 1, "p")) for d in self.dropouts]
+        return regions.register(program, [v.dtype for v in values], weak, drop_p)
+
+
+def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
+    """Swap `nodes` for one fused call; return why not when it cannot be done."""
+    order = node_order(ctx.gm.graph)
+    cut = Cut.of(nodes)
+    members, inputs, outputs, dropouts = set(nodes), cut.inputs, cut.outputs, cut.dropouts
+    last = nodes[-1]
+    if any(order[u] < order[last] for o in outputs for u in o.users if u not in members):
+        return "a value of the region is used before the region ends"
+    values = [tensor_val(i) for i in inputs]
+    needs_grad = [
+        ctx.requires_grad(i) and v.dtype.is_floating_point
+        for i, v in zip(inputs, values, strict=True)
+    ]
+    try:
+        region = cut.register()
+        specs = pointwise_op.compile_time_specs(
+            region, values, needs_grad if ctx.training else None
+        )
+    except (regions.UnsupportedRegion, Unprintable) as error:
+        return str(error)
+    ctx.kernels(specs, site_name(last))
+
+    device = tensor_val(last).device
+    seed = ctx.seed(device) if dropouts else None
+    stream = ctx.next_stream() if dropouts else 0
+    for _ in dropouts[1:]:
+        ctx.next_stream()
+    ctx.site = last
+    with ctx.gm.graph.inserting_after(last):
+        call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
+    with ctx.gm.graph.inserting_after(call):
+        items = [insert_getitem(ctx.gm.graph, call, k) for k in range(len(outputs))]
+    ctx.site = None
+    for o, item in zip(outputs, items, strict=True):
+        o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+    for n in reversed(nodes):
+        ctx.gm.graph.erase_node(n)
+    name = next((n.meta[USER_PATTERN] for n in nodes if USER_PATTERN in n.meta), FAMILY)
+    ctx.report.counts[name] += 1
+    return None
+
+
+def _is_folded_bias(node: Node, members: set[Node]) -> bool:
+    """A linear's bias moved into the region: eager's linear casts it to the matmul's dtype, so it
+    takes part in type promotion as a weak operand."""
+    return any(
+        u in members and u.meta.get("seqfast_folded_bias") and u.args[1] is node for u in node.users
+    )

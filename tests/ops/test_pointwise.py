@@ -1,0 +1,255 @@
+"""seqfast::pointwise and its derived backward, called directly on regions built from plain
+functions: the generated kernels (Triton's interpreter) and the reference, each against the same
+function run eagerly in float64, forward and every gradient, on broadcast shapes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOLERANCES
+
+import seqcompile.ops.pointwise  # noqa: F401  (registers the op)
+from seqcompile.ops.random import keep_mask
+from seqcompile.patterns.pointwise import region_of_function
+
+pointwise = torch.ops.seqfast.pointwise
+SEED = torch.tensor(987654321, dtype=torch.int64)
+
+
+def new_gelu(x):
+    """GPT-2's NewGELU, written out."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+# name -> (function, shapes of its inputs; "pos" marks a positive input, "bool" a mask)
+UNARY = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "new_gelu": new_gelu,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "erf": torch.erf,
+    "square": torch.square,
+    "pow3": lambda x: x**3,
+    "pow_neg2": lambda x: x**-2.0,
+    "pow5": lambda x: x**5,
+    "clamp": lambda x: x.clamp(-0.5, 0.7),
+    "half_cast": lambda x: x.to(torch.float16).float() * 3,
+    "scalar_ops": lambda x: (2.0 - x) / 3 + 1.5 * x - 0.25,
+}
+POSITIVE = {
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "pow1.5": lambda x: x**1.5,
+    "reciprocal": torch.reciprocal,
+}
+BINARY = {
+    "add_bias": (lambda x, b: x + b, (7,)),
+    "sub_row": (lambda x, r: x - r, (3, 5, 1)),
+    "mul_middle": (lambda x, m: x * m, (3, 1, 7)),
+    "div_scalar_tensor": (lambda x, s: x / s, ()),
+    "swiglu": (lambda a, b: F.silu(a) * b, (3, 5, 7)),
+    "geglu": (lambda a, b: F.gelu(a) * b, (3, 5, 7)),
+    "maximum": (lambda a, b: torch.maximum(a, b), (5, 7)),
+    "alpha_add": (lambda a, b: torch.add(a, b, alpha=-2), (1, 7)),
+}
+SHAPE = (3, 5, 7)
+
+
+def make(shape, *, positive=False, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g)
+    if positive:
+        t = t.abs() + 0.3
+    return t.to(dtype).requires_grad_()
+
+
+def run(fn, inputs, *, p=(), stream=0, grads_seed=5):
+    """Fused forward and backward of `fn`, and the same in float64 eager with the fused op's
+    dropout masks; returns (fused outputs, fused grads, eager outputs, eager grads)."""
+    region = region_of_function(fn, inputs)
+    outs = pointwise(list(inputs), SEED if p else None, stream, region.key)
+    shape = outs[0].shape
+    g = torch.Generator().manual_seed(grads_seed)
+    cotangents = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs if o.is_floating_point()]
+    diff = [t for t in inputs if t.requires_grad]
+    fused_grads = torch.autograd.grad(
+        [o for o in outs if o.is_floating_point()], diff, cotangents, allow_unused=True
+    )
+    wide = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    masks = iter(keep_mask(SEED, shape, stream + k, q) for k, q in enumerate(p))
+    with _dropout_from(masks):
+        expected = fn(*wide)
+    expected = list(expected) if isinstance(expected, tuple | list) else [expected]
+    eager_grads = torch.autograd.grad(
+        [e for e in expected if e.is_floating_point()],
+        [t for t in wide if t.requires_grad],
+        [c.double() for c in cotangents],
+        allow_unused=True,
+    )
+    return outs, fused_grads, expected, eager_grads
+
+
+class _dropout_from:
+    """Within the block, F.dropout applies the given keep-masks in order."""
+
+    def __init__(self, masks):
+        self.masks = masks
+
+    def __enter__(self):
+        self.original = F.dropout
+        F.dropout = lambda x, p=0.5, training=True, inplace=False: torch.where(next(self.masks), x / (1 - p), 0.0)
+
+    def __exit__(self, *exc):
+        F.dropout = self.original
+
+
+def check(outs, fused_grads, expected, eager_grads, dtype=torch.float32):
+    tol = TOLERANCES[dtype]
+    assert len(outs) == len(expected)
+    for o, e in zip(outs, expected, strict=True):
+        want = e.to(o.dtype) if o.is_floating_point() else e
+        torch.testing.assert_close(o, want, **tol)
+    for a, e in zip(fused_grads, eager_grads, strict=True):
+        assert (a is None) == (e is None)
+        if e is not None:
+            torch.testing.assert_close(a, e.to(a.dtype), **tol)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY) + sorted(POSITIVE))
+def test_every_unary_op_alone(impl, name):
+    fn = UNARY.get(name) or POSITIVE[name]
+    check(*run(fn, [make(SHAPE, positive=name in POSITIVE)]))
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_ops_on_broadcast_shapes(impl, name):
+    fn, other = BINARY[name]
+    positive = name.startswith("div")
+    check(*run(fn, [make(SHAPE), make(other, positive=positive, seed=1)]))
+
+
+def test_masks_where_comparisons_and_bool_outputs(impl):
+    def fn(x, mask, r):
+        keep = (x > 0.1) & ~mask
+        y = torch.where(keep, x * r, -x).masked_fill(x.abs() > 1.5, 0.25)
+        return y, keep
+
+    mask = torch.rand(3, 1, 7, generator=torch.Generator().manual_seed(2)) > 0.5
+    outs, fg, expected, eg = run(fn, [make(SHAPE), mask, make((5, 1), seed=3)])
+    assert outs[1].dtype is torch.bool
+    check(outs, fg, expected, eg)
+
+
+def test_a_chain_with_several_outputs(impl):
+    """A value used inside and outside the region is an output; each gets its own gradient."""
+
+    def fn(x, b, r):
+        h = F.gelu(x + b)
+        s = r + h * 0.5
+        return h, s, torch.sigmoid(s)
+
+    check(*run(fn, [make(SHAPE), make((7,), seed=1), make(SHAPE, seed=2)]))
+
+
+def test_integer_inputs_promote(impl):
+    def fn(x, ids):
+        return (1 - ids) * -1e4 + x * ids
+
+    ids = torch.randint(0, 2, (3, 1, 7))
+    check(*run(fn, [make(SHAPE), ids]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs(impl, dtype):
+    def fn(x, b):
+        return F.gelu(x + b) * torch.sigmoid(x)
+
+    outs, fg, expected, eg = run(fn, [make(SHAPE, dtype=dtype), make((7,), seed=1, dtype=dtype)])
+    assert outs[0].dtype is dtype and fg[0].dtype is dtype and fg[1].dtype is dtype
+    check(outs, fg, expected, eg, dtype)
+
+
+def test_bias_gelu_dropout_matches_its_masks(impl):
+    def fn(x, b):
+        return F.dropout(F.gelu(x + b), 0.2)
+
+    check(*run(fn, [make(SHAPE), make((7,), seed=1)], p=(0.2,), stream=4))
+
+
+def test_two_dropouts_use_two_streams(impl):
+    def fn(x, r):
+        return F.dropout(x, 0.3) + F.dropout(r, 0.3)
+
+    outs, fg, expected, eg = run(fn, [make(SHAPE), make(SHAPE, seed=1)], p=(0.3, 0.3), stream=2)
+    check(outs, fg, expected, eg)
+    assert not torch.equal(fg[0] != 0, fg[1] != 0)
+
+
+def test_dropout_statistics_and_mask_agreement(impl):
+    """Keep ratio and scale in the forward; the backward drops exactly where the forward did."""
+    x = torch.ones(64, 40, requires_grad=True)
+    region = region_of_function(lambda t: F.dropout(t, 0.25), [x])
+    (out,) = pointwise([x], SEED, 11, region.key)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.03
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert torch.equal(grad != 0, kept)
+    (again,) = pointwise([x], SEED, 11, region.key)
+    assert torch.equal(again, out)
+    (other,) = pointwise([x], SEED, 12, region.key)
+    assert not torch.equal(other, out)
+
+
+def test_non_contiguous_and_expanded_inputs(impl):
+    def fn(x, y):
+        return x * torch.tanh(y)
+
+    x = make((7, 5, 3)).transpose(0, 2)
+    y = make((5, 1), seed=1).expand(5, 7)
+    check(*run(fn, [x, y.unsqueeze(0).expand(3, 5, 7)]))
+
+
+def test_empty_and_single_element_regions(impl):
+    fn = lambda x, b: F.silu(x + b)  # noqa: E731
+    check(*run(fn, [make((1, 1)), make((1,), seed=1)]))
+    outs, *_ = run(fn, [make((0, 7)), make((7,), seed=1)])
+    assert outs[0].shape == (0, 7)
+
+
+def test_the_backward_saves_only_the_inputs_it_reads():
+    """x + dropout(h) needs no input for its backward, gelu(x + b) needs x and b."""
+    x, b, h = make(SHAPE), make((7,), seed=1), make(SHAPE, seed=2)
+    for fn, p, expected in [
+        (lambda x, h: x + F.dropout(h, 0.1), (0.1,), [SEED]),
+        (lambda x, b: F.gelu(x + b), (), [x, b]),
+    ]:
+        inputs = [x, h] if p else [x, b]
+        region = region_of_function(fn, inputs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            pointwise(inputs, SEED if p else None, 0, region.key)
+        kept = [t for t in saved if t is not None]
+        assert len(kept) == len(expected)
+        assert all(any(k is e for e in expected) for k in kept)
+
+
+def test_wrong_arguments_are_clear_errors():
+    x = make(SHAPE)
+    region = region_of_function(lambda t: F.dropout(t, 0.5) * 2, [x])
+    with pytest.raises(ValueError, match="needs a seed"):
+        pointwise([x], None, 0, region.key)
+    with pytest.raises(ValueError, match="takes 1 inputs; got 2"):
+        pointwise([x, x], SEED, 0, region.key)
+    with pytest.raises(RuntimeError, match="not registered"):
+        pointwise([x], SEED, 0, "0123456789abcdef")
+    with pytest.raises(ValueError, match="not pointwise: aten.sum"):
+        region_of_function(lambda t: t.sum() * 2, [x])
