@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from conftest import assert_close
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile.backend import seqfast
 from seqcompile.report import CompileReport, collecting
@@ -84,3 +85,23 @@ def _grads(fn: Any, inputs: Sequence[Any]) -> list[torch.Tensor | None]:
     if isinstance(fn, torch.nn.Module):
         tensors += [p for p in fn.parameters() if p.requires_grad]
     return [t.grad for t in tensors]
+
+
+def kept_for_backward(model, *batch):
+    """Bytes of the distinct storages autograd saves during one training step (`model(*batch)`
+    returns the loss), leaving out the parameters, buffers and the batch itself (they live on
+    regardless)."""
+    owned = [*model.parameters(), *model.buffers(), *batch]
+    lasting = {StorageWeakRef(t.untyped_storage()) for t in owned}
+    saved = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in lasting:
+            saved[ref] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*batch)
+    loss.backward()
+    return sum(saved.values())

@@ -10,7 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    "module", ["benchmarks.norm_kernels", "benchmarks.train_step", "benchmarks.attention"]
+    "module",
+    [
+        "benchmarks.norm_kernels",
+        "benchmarks.train_step",
+        "benchmarks.attention",
+        "benchmarks.pointwise_kernels",
+    ],
 )
 def test_benchmark_quick_run_writes_a_table(module, tmp_path):
     output = tmp_path / "results.md"

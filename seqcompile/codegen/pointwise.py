@@ -223,6 +223,8 @@ _RULES: dict[Any, _Rule] = {
     aten.sqrt.default: _unary("tl.sqrt"),
     aten.rsqrt.default: _unary("tl.rsqrt"),
     aten.erf.default: _unary("tl.erf"),
+    aten.sin.default: _unary("tl.sin"),
+    aten.cos.default: _unary("tl.cos"),
     aten.abs.default: lambda n, a, p: f"tl.abs({a[0]})",
     aten.sgn.default: _unary("sign"),
     aten.sign.default: _unary("sign"),

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import Graph, GraphModule, Node
 from torch.func import functionalize
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 aten = torch.ops.aten

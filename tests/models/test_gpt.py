@@ -5,9 +5,8 @@ import copy
 
 import pytest
 import torch
-from checks import check_fusion
+from checks import check_fusion, kept_for_backward
 from conftest import TOLERANCES
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile.demo import GPT, Block, GPTConfig, toy_batch, train
 from seqcompile.report import collecting
@@ -111,25 +110,6 @@ def test_training_loss_curve_tracks_eager():
     fast = train(fast_model, torch.compile(fast_model, backend="seqfast"), cfg, **kwargs)
     assert eager.losses[-1] < eager.losses[0]
     torch.testing.assert_close(fast.losses, eager.losses, atol=1e-4, rtol=1e-4)
-
-
-def kept_for_backward(model, idx, targets):
-    """Bytes of the distinct storages autograd saves during one training step, leaving out the
-    parameters, buffers and the batch itself (they live on regardless)."""
-    owned = [*model.parameters(), *model.buffers(), idx, targets]
-    lasting = {StorageWeakRef(t.untyped_storage()) for t in owned}
-    saved = {}
-
-    def pack(t):
-        ref = StorageWeakRef(t.untyped_storage())
-        if ref not in lasting:
-            saved[ref] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(idx, targets)
-    loss.backward()
-    return sum(saved.values())
 
 
 def test_attention_keeps_memory_linear_in_length_and_under_a_third_of_eager():

@@ -19,7 +19,9 @@ SEED = torch.tensor(987654321, dtype=torch.int64)
 
 def new_gelu(x):
     """GPT-2's NewGELU, written out."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    return (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    )
 
 
 # name -> (function, shapes of its inputs; "pos" marks a positive input, "bool" a mask)
@@ -78,12 +80,17 @@ def run(fn, inputs, *, p=(), stream=0, grads_seed=5):
     outs = pointwise(list(inputs), SEED if p else None, stream, region.key)
     shape = outs[0].shape
     g = torch.Generator().manual_seed(grads_seed)
-    cotangents = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs if o.is_floating_point()]
+    cotangents = [
+        torch.randn(o.shape, generator=g).to(o.dtype) for o in outs if o.is_floating_point()
+    ]
     diff = [t for t in inputs if t.requires_grad]
     fused_grads = torch.autograd.grad(
         [o for o in outs if o.is_floating_point()], diff, cotangents, allow_unused=True
     )
-    wide = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    wide = [
+        t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+        for t in inputs
+    ]
     masks = iter(keep_mask(SEED, shape, stream + k, q) for k, q in enumerate(p))
     with _dropout_from(masks):
         expected = fn(*wide)
@@ -105,7 +112,9 @@ class _dropout_from:
 
     def __enter__(self):
         self.original = F.dropout
-        F.dropout = lambda x, p=0.5, training=True, inplace=False: torch.where(next(self.masks), x / (1 - p), 0.0)
+        F.dropout = lambda x, p=0.5, training=True, inplace=False: torch.where(
+            next(self.masks), x / (1 - p), 0.0
+        )
 
     def __exit__(self, *exc):
         F.dropout = self.original
@@ -235,7 +244,7 @@ def test_the_backward_saves_only_the_inputs_it_reads():
         inputs = [x, h] if p else [x, b]
         region = region_of_function(fn, inputs)
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):
             pointwise(inputs, SEED if p else None, 0, region.key)
         kept = [t for t in saved if t is not None]
         assert len(kept) == len(expected)

@@ -1,0 +1,86 @@
+"""The pointwise region fuser on a GPT-style block (bias + GELU + dropout in the MLP, dropout +
+residual after each projection): what the compiled training step launches for element-wise work,
+and what its backward keeps."""
+
+import re
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from checks import kept_for_backward
+from torch import nn
+
+from seqcompile.report import collecting
+
+WIDTH, BATCH, LENGTH, LAYERS = 16, 2, 8, 2
+
+
+class Block(nn.Module):
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.attn = nn.Linear(WIDTH, WIDTH)  # the attention's output projection stands in for it
+        self.fc, self.proj, self.p = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH), p
+
+    def forward(self, x):
+        h = x + F.dropout(self.attn(x), self.p, self.training)
+        hidden = F.dropout(F.gelu(self.fc(h)), self.p, self.training)
+        return h + F.dropout(self.proj(hidden), self.p, self.training)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block() for _ in range(LAYERS)))
+
+    def forward(self, x):
+        return self.blocks(x).sum()
+
+
+def launched(graph_file):
+    """Ops a lowered graph calls, by name; and which of them are element-wise ATen ops."""
+    names = Counter(re.findall(r"torch\.ops\.(\w+\.\w+\.\w+)\(", graph_file.read_text()))
+    elementwise = Counter()
+    for name, n in names.items():
+        namespace, op, overload = name.split(".")
+        if namespace == "aten":
+            target = getattr(getattr(torch.ops.aten, op), overload)
+            if torch.Tag.pointwise in target.tags:
+                elementwise[name] = n
+    return names, elementwise
+
+
+def test_one_forward_and_one_backward_kernel_per_region(tmp_path):
+    torch.manual_seed(0)
+    model = Stack().train()
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    with collecting() as report:
+        torch.compile(model, backend="seqfast", options={"dump_dir": str(tmp_path)})(x).backward()
+    regions = 3 * LAYERS
+    assert report.counts["pointwise"] == regions, str(report)
+    forward, forward_elementwise = launched(next(tmp_path.glob("*/*_lower_forward.py")))
+    backward, backward_elementwise = launched(next(tmp_path.glob("*/*_lower_backward.py")))
+    assert forward["seqfast.pointwise.default"] == regions
+    assert not forward_elementwise, forward_elementwise
+    assert backward["seqfast.pointwise_backward.default"] == regions
+    # Left: autograd adding the two gradients of each value read twice (x and h feed both the
+    # residual and a projection), as eager does; no other element-wise work runs.
+    assert backward_elementwise == Counter({"aten.add.Tensor": 2 * LAYERS}), backward_elementwise
+
+
+def test_the_backward_keeps_matmul_inputs_and_region_inputs_only():
+    torch.manual_seed(0)
+    model = Stack().train()
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    compiled = torch.compile(model, backend="seqfast")
+    compiled(x).backward()  # compile outside the hooks: tracing saves too
+    row = BATCH * LENGTH * 4  # bytes of one float32 per token
+    per_block = row * (
+        WIDTH  # h: the MLP's input, for fc's weight gradient
+        + 4 * WIDTH  # fc's output before its bias: the region input GELU's backward reads
+        + 4 * WIDTH  # the dropped-out GELU output: proj's input, for its weight gradient
+    )
+    # the second block's input is the first block's output, kept for its attn projection
+    expected = LAYERS * per_block + (LAYERS - 1) * row * WIDTH + 8  # + one int64 seed
+    assert kept_for_backward(compiled, x) == expected
+    # eager keeps the dropout masks and the GELU's input besides
+    assert kept_for_backward(model, x) > expected + LAYERS * BATCH * LENGTH * 6 * WIDTH

@@ -1,0 +1,185 @@
+"""The pointwise region fuser through torch.compile: which regions fuse, that outputs and every
+gradient match eager, where regions split and why, linear biases folded into regions, dropout in
+the compiled path, and pointwise user patterns."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import check_fusion
+from torch import nn
+
+import seqcompile
+from seqcompile.report import collecting
+
+
+def leaf(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+class MLP(nn.Module):
+    """GPT's MLP: bias + GELU between the projections, dropout + residual after."""
+
+    def __init__(self, width=8, p=0.0, act=F.gelu):
+        super().__init__()
+        self.up, self.down, self.p, self.act = (
+            nn.Linear(width, 4 * width),
+            nn.Linear(4 * width, width),
+            p,
+            act,
+        )
+
+    def forward(self, x):
+        return x + F.dropout(self.down(self.act(self.up(x))), self.p, self.training)
+
+
+def test_bias_gelu_and_bias_residual_are_two_regions():
+    torch.manual_seed(0)
+    report = check_fusion(MLP(), [leaf(2, 5, 8)], counts={"pointwise": 2})
+    # a forward each; only bias + GELU needs a backward kernel: the gradients of
+    # bias + residual are the incoming gradient itself (summed over rows for the bias)
+    assert len(report.kernels) == 3
+
+
+def test_linear_bias_is_folded_into_the_region(tmp_path):
+    torch.manual_seed(0)
+    check_fusion(
+        MLP(), [leaf(2, 5, 8)], counts={"pointwise": 2}, options={"dump_dir": str(tmp_path)}
+    )
+    fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
+    assert fused.count("aten.linear.default") == 2
+    calls = [
+        line.split("aten.linear.default(")[1]
+        for line in fused.splitlines()
+        if "aten.linear.default(" in line
+    ]
+    assert all(call.count(",") == 1 for call in calls), f"a linear kept its bias: {calls}"
+
+
+def test_new_gelu_written_out_is_one_region():
+    def new_gelu(x):
+        return (
+            0.5
+            * x
+            * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        )
+
+    check_fusion(new_gelu, [leaf(3, 16)], counts={"pointwise": 1})
+
+
+@pytest.mark.parametrize("act", [F.silu, F.gelu], ids=["swiglu", "geglu"])
+def test_gated_activations(act):
+    torch.manual_seed(0)
+    gate, up = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    def fn(x):
+        return act(gate(x)) * up(x)
+
+    check_fusion(fn, [leaf(2, 3, 8)], counts={"pointwise": 1})
+
+
+def test_a_value_used_inside_and_outside_is_an_output():
+    def fn(x, b):
+        h = torch.sigmoid(x + b)
+        return (h * 3).tanh(), h.sum(-1)
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, seed=1)], counts={"pointwise": 1})
+
+
+def test_masks_over_middle_dims_and_row_scalars():
+    def fn(x, mask, scale):
+        return torch.where(mask, F.relu(x) * scale, -x).exp()
+
+    mask = torch.rand(2, 1, 5, 1) > 0.3
+    check_fusion(fn, [leaf(2, 3, 5, 4), mask, leaf(2, 3, 5, 1, seed=1)], counts={"pointwise": 1})
+
+
+def test_an_unsupported_op_splits_the_region_with_its_reason():
+    def fn(x):
+        return torch.erfinv(torch.tanh(x * 2) * 0.5).exp() * 3
+
+    report = check_fusion(fn, [leaf(4, 6)], counts={"pointwise": 2}, missed=["aten.erfinv.default"])
+    assert "the region is split here" in report.missed[0].reason
+
+
+def test_reductions_and_matmuls_end_regions():
+    def fn(x, w):
+        h = F.gelu(x * 2)
+        return F.silu(h @ w) * 2 + h.mean(-1, keepdim=True)
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, 6, seed=1)], counts={"pointwise": 2})
+
+
+def test_a_lone_op_is_left_to_the_executor():
+    check_fusion(lambda x, y: x * y, [leaf(3), leaf(3, seed=1)], counts={"pointwise": 0})
+
+
+def test_fused_regions_run_their_kernels(interpret):
+    torch.manual_seed(0)
+    check_fusion(MLP(act=F.silu), [leaf(2, 3, 8)], counts={"pointwise": 2})
+
+
+def test_dropout_in_the_compiled_step_keeps_its_statistics_and_masks():
+    torch.manual_seed(0)
+    model = MLP(width=16, p=0.25).train()
+    x = leaf(8, 32, 16)
+    with collecting() as report:
+        out = torch.compile(model, backend="seqfast")(x)
+    assert report.counts["pointwise"] == 2
+    branch = out - x
+    kept = branch != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.03
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    # the residual passes 1 everywhere; the dropped branch elements pass nothing more
+    bias_grad = torch.autograd.grad(
+        torch.compile(model, backend="seqfast")(x), model.down.bias, torch.ones_like(out)
+    )
+    assert grad.shape == x.shape and bias_grad[0].shape == (16,)
+
+
+def test_dropout_masks_repeat_under_manual_seed():
+    model = MLP(width=8, p=0.5).train()
+    compiled = torch.compile(model, backend="seqfast")
+    x = leaf(4, 8)
+    torch.manual_seed(3)
+    a = compiled(x)
+    torch.manual_seed(3)
+    b = compiled(x)
+    c = compiled(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_dropout_backward_drops_where_the_forward_did():
+    def fn(x):
+        return F.dropout(x * 2, 0.4)
+
+    x = torch.ones(64, 32, requires_grad=True)
+    out = torch.compile(fn, backend="seqfast")(x)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert torch.equal(grad != 0, out != 0)
+    torch.testing.assert_close(grad[out != 0], torch.full_like(grad[out != 0], 2 / 0.6))
+
+
+@pytest.fixture
+def squared_relu_pattern():
+    seqcompile.register_pattern("squared_relu", lambda x: F.relu(x) ** 2, [torch.randn(4, 8)])
+    yield
+    seqcompile.unregister_pattern("squared_relu")
+
+
+def test_a_pointwise_user_pattern_gets_generated_kernels(squared_relu_pattern):
+    torch.manual_seed(0)
+    report = check_fusion(
+        MLP(act=lambda t: F.relu(t) ** 2),
+        [leaf(2, 3, 8)],
+        counts={"squared_relu": 1, "pointwise": 1},
+    )
+    assert "squared_relu" in str(report)
+
+
+def test_a_user_pattern_that_is_not_pointwise_needs_a_replacement():
+    with pytest.raises(ValueError, match="must be pointwise.*aten.sum"):
+        seqcompile.register_pattern("row_sum", lambda x: x.sum(-1) * 2, [torch.randn(4, 8)])
+    with pytest.raises(TypeError, match="replacement_fn="):
+        seqcompile.register_pattern("old_order", F.relu, F.relu, [torch.randn(2)])
