@@ -43,7 +43,7 @@ class Mask:
 
 
 def _literal(value: Any) -> str:
-    if isinstance(value, bool):
+    if value is None or isinstance(value, bool):  # None: an absent bound (clamp's min or max)
         return repr(value)
     if isinstance(value, float):
         if math.isnan(value):

@@ -97,6 +97,51 @@ ATTENTION = textwrap.dedent(
 )
 
 
+POINTWISE = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from seqcompile.ops import pointwise
+    from seqcompile.patterns.pointwise import region_of_function
+
+    def compile_pointwise(spec, pointers):
+        fn = kernel_function(spec)
+        sig = {name: "i32" for name in fn.arg_names}
+        sig.update(pointers, SEED="*i64", BLOCK="constexpr")
+        sig = {k: v for k, v in sig.items() if k in fn.arg_names}
+        source = ASTSource(fn, sig, constexprs={"BLOCK": 1024})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert kernel.asm["cubin"], spec
+        print("ok", spec.describe())
+
+    def bias_gelu_dropout(x, b):
+        return F.dropout(F.gelu(x + b, approximate="tanh"), 0.1)
+
+    def gated(a, b, mask):
+        return torch.where(mask, F.silu(a) * b, a.exp().clamp(max=3.0)) ** 3
+
+    x, b = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    region = region_of_function(bias_gelu_dropout, [x, b])
+    spec, _ = pointwise.forward_spec(region.key, ("flat", (False, True)), 2, 1)
+    compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*fp32", "OUT0": "*bf16"})
+    plan_key = ((True, True), (True,))
+    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", (False, True), "flat"), 2)
+    compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*fp32", "GRAD0": "*bf16", "DIN0": "*bf16"})
+
+    mask = torch.rand(4, 8) > 0.5
+    region = region_of_function(gated, [x, x.detach().requires_grad_(), mask])
+    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat", "scalar"), 1, 1)
+    compile_pointwise(spec, {"IN0": "*fp16", "IN1": "*fp16", "IN2": "*i1", "OUT0": "*fp16"})
+    plan_key = ((True, True, False), (True,))
+    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat", "flat"), 1)
+    compile_pointwise(
+        spec, {"IN0": "*fp32", "IN1": "*fp32", "IN2": "*i1", "GRAD0": "*fp32", "DIN0": "*fp32",
+               "DIN1": "*fp32"}
+    )
+    """
+)
+
+
 def compile_for_hopper(body: str) -> str:
     env = {
         k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SEQFAST_INTERPRET")
@@ -115,3 +160,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 def test_attention_template_variants_compile_to_hopper_cubins():
     assert compile_for_hopper(ATTENTION).count("ok ") == 4 * 4 + 3
+
+
+def test_pointwise_kernels_compile_to_hopper_cubins():
+    assert compile_for_hopper(POINTWISE).count("ok ") == 4

@@ -42,6 +42,7 @@ UNARY = {
     "pow_neg2": lambda x: x**-2.0,
     "pow5": lambda x: x**5,
     "clamp": lambda x: x.clamp(-0.5, 0.7),
+    "clamp_max_only": lambda x: x.clamp(max=0.3) + x.clamp(min=-0.2),
     "half_cast": lambda x: x.to(torch.float16).float() * 3,
     "scalar_ops": lambda x: (2.0 - x) / 3 + 1.5 * x - 0.25,
 }
