@@ -46,6 +46,25 @@ def copy_bandwidth_gbs(device: torch.device, megabytes: int) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
+BANDWIDTH_COLUMNS = ("executor", "ms", "GB/s", "of copy bw", "x eager", "x inductor")
+"""Columns `bandwidth_rows` fills after a case's own columns."""
+
+
+def bandwidth_rows(
+    case: Sequence[object], times: dict[str, float], moved: int, ceiling_gbs: float
+) -> list[list[object]]:
+    """One row per executor of a memory-bound case: its time, achieved GB/s, the fraction of the
+    measured copy bandwidth, and its speed-up over eager and (when timed) Inductor."""
+    rows = []
+    for executor, ms in times.items():
+        gbs = moved / (ms * 1e-3) / 1e9
+        versus_inductor = times["inductor"] / ms if "inductor" in times else ""
+        rows.append(
+            [*case, executor, ms, gbs, gbs / ceiling_gbs, times["eager"] / ms, versus_inductor]
+        )
+    return rows
+
+
 def header(title: str, device: torch.device, module: str) -> list[str]:
     import triton
 

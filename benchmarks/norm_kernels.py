@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
-from benchmarks.common import copy_bandwidth_gbs, emit, header, table, timed_ms
+from benchmarks.common import (
+    BANDWIDTH_COLUMNS,
+    bandwidth_rows,
+    copy_bandwidth_gbs,
+    emit,
+    header,
+    table,
+    timed_ms,
+)
 
 
 def eager_add_norm(x, residual, weight, bias, rms):
@@ -94,26 +102,8 @@ def main() -> None:
                     f"{rows}x{width}",
                     "fwd+bwd" if backward else "fwd",
                 ]
-                for name, ms in times.items():
-                    gbs = moved / (ms * 1e-3) / 1e9
-                    versus_inductor = times["inductor"] / ms if "inductor" in times else ""
-                    rows_out.append(
-                        [*case, name, ms, gbs, gbs / ceiling, times["eager"] / ms, versus_inductor]
-                    )
-    lines += table(
-        [
-            "norm",
-            "rows x width",
-            "pass",
-            "executor",
-            "ms",
-            "GB/s",
-            "of copy bw",
-            "x eager",
-            "x inductor",
-        ],
-        rows_out,
-    )
+                rows_out += bandwidth_rows(case, times, moved, ceiling)
+    lines += table(["norm", "rows x width", "pass", *BANDWIDTH_COLUMNS], rows_out)
     emit(lines, args.output)
 
 

@@ -17,7 +17,15 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import copy_bandwidth_gbs, emit, header, table, timed_ms
+from benchmarks.common import (
+    BANDWIDTH_COLUMNS,
+    bandwidth_rows,
+    copy_bandwidth_gbs,
+    emit,
+    header,
+    table,
+    timed_ms,
+)
 from seqcompile.patterns.pointwise import region_of_function
 
 P = 0.1
@@ -103,22 +111,8 @@ def main() -> None:
                     name, rows, width, dtype, device, backward, not args.no_inductor
                 )
                 case = [name, f"{rows}x{width}", "fwd+bwd" if backward else "fwd"]
-                for executor, ms in times.items():
-                    gbs = moved / (ms * 1e-3) / 1e9
-                    versus_inductor = times["inductor"] / ms if "inductor" in times else ""
-                    rows_out.append(
-                        [
-                            *case,
-                            executor,
-                            ms,
-                            gbs,
-                            gbs / ceiling,
-                            times["eager"] / ms,
-                            versus_inductor,
-                        ]
-                    )
-    columns = ["region", "rows x width", "pass", "executor", "ms", "GB/s", "of copy bw"]
-    lines += table([*columns, "x eager", "x inductor"], rows_out)
+                rows_out += bandwidth_rows(case, times, moved, ceiling)
+    lines += table(["region", "rows x width", "pass", *BANDWIDTH_COLUMNS], rows_out)
     emit(lines, args.output)
 
 

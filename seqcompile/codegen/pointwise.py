@@ -79,7 +79,7 @@ class _Printer:
     def __init__(self, float_type: str) -> None:
         self.float_type = float_type
 
-    def cast(self, x: str, src: torch.dtype | None, dtype: torch.dtype) -> str:
+    def cast(self, x: str, dtype: torch.dtype) -> str:
         """`x` (computed as its kind) converted to `dtype`, rounded when `dtype` is a half type."""
         if dtype is torch.bool:
             return f"({x} != 0)"
@@ -157,8 +157,7 @@ def _gelu_backward(node: Node, a: list[str], p: _Printer) -> str:
 
 def _to_copy(node: Node, a: list[str], p: _Printer) -> str:
     dtype = node.kwargs.get("dtype")
-    src = node.args[0].meta["val"].dtype if isinstance(node.args[0], Node) else None
-    return a[0] if dtype is None else p.cast(a[0], src, dtype)
+    return a[0] if dtype is None else p.cast(a[0], dtype)
 
 
 def _constant(value_index: int) -> _Rule:

@@ -87,10 +87,13 @@ def _hint(size) -> int:
 
 def _layouts(
     shape: Sequence[int], operands: Sequence[Tensor], outputs: int
-) -> tuple[list[int], list[list[int]]]:
+) -> tuple[list[int], list[list[int]], tuple[Layout, ...]]:
+    """The collapsed region shape, every operand's strides over it (the `outputs` contiguous
+    outputs last), and the layout of each of `operands`."""
     contiguous = _contiguous_strides(shape)
     strides = [broadcast_strides(t, shape) for t in operands] + [contiguous] * outputs
-    return collapse(shape, strides)
+    sizes, walks = collapse(shape, strides)
+    return sizes, walks, tuple(_layout(w, sizes) for w in walks[: len(operands)])
 
 
 def compile_time_specs(
@@ -110,8 +113,7 @@ def compile_time_specs(
     ]
     shape = list(_shape(concrete))
     outputs = len(regions.output_dtypes(region, [t.dtype for t in inputs]))
-    sizes, walks = _layouts(shape, concrete, outputs)
-    layouts = tuple(_layout(w, sizes) for w in walks[: len(concrete)])
+    sizes, _, layouts = _layouts(shape, concrete, outputs)
     specs = [forward_spec(region.key, layouts, len(sizes), outputs)[0]]
     if needs_grad is not None and any(needs_grad):
         plan_key = (tuple(needs_grad), (True,) * outputs)
@@ -119,8 +121,7 @@ def compile_time_specs(
         if plan.computed:
             saved = [t for t, keep in zip(concrete, plan.saved, strict=True) if keep]
             grads = [torch.empty(shape, device="meta")] * outputs
-            sizes, walks = _layouts(shape, saved + grads, len(plan.computed))
-            layouts = tuple(_layout(w, sizes) for w in walks[: len(saved) + len(grads)])
+            sizes, _, layouts = _layouts(shape, saved + grads, len(plan.computed))
             specs.append(backward_spec(region.key, plan_key, layouts, len(sizes))[0])
     return specs
 
@@ -128,11 +129,10 @@ def compile_time_specs(
 def _launch(
     spec_of, tensors: dict[str, Tensor], shape: torch.Size, outputs: dict[str, Tensor], extra: dict
 ) -> None:
-    """Collapse the region, render (or reuse) the kernel for the operands' layouts and launch it."""
+    """Collapse the region, render (or reuse) the kernel for the operands' layouts and launch it.
+    `outputs` are contiguous over the region."""
     names = list(tensors) + list(outputs)
-    operands = list(tensors.values()) + list(outputs.values())
-    sizes, walks = collapse(list(shape), [broadcast_strides(t, shape) for t in operands])
-    layouts = tuple(_layout(w, sizes) for w in walks[: len(tensors)])
+    sizes, walks, layouts = _layouts(list(shape), list(tensors.values()), len(outputs))
     spec, params = spec_of(layouts, len(sizes))
     values = {**tensors, **outputs, **extra, "N": math.prod(shape)}
     for name, walk in zip(names, walks, strict=True):
@@ -156,14 +156,10 @@ def forward_spec(
     return render(region.forward, operands, names, rank, f"forward of region {key}")
 
 
+@functools.lru_cache(maxsize=1024)
 def backward_spec(
     key: str, plan_key: tuple, layouts: tuple[Layout, ...], rank: int
 ) -> tuple[KernelSpec, tuple[str, ...]]:
-    return _backward_spec(key, plan_key, layouts, rank)
-
-
-@functools.lru_cache(maxsize=1024)
-def _backward_spec(key, plan_key, layouts, rank):
     region = regions.lookup(key)
     plan = regions.backward_plan(key, *plan_key)
     needs_grad, has_grad = plan_key
@@ -190,22 +186,23 @@ def _backward_spec(key, plan_key, layouts, rank):
 
 @torch.library.custom_op("seqfast::pointwise", mutates_args=())
 def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: str) -> list[Tensor]:
-    spec = regions.lookup(region)
-    if len(inputs) != spec.num_inputs:
+    program = regions.lookup(region)
+    if len(inputs) != program.num_inputs:
         raise ValueError(
-            f"seqfast::pointwise: region {region} takes {spec.num_inputs} inputs; got {len(inputs)}"
+            f"seqfast::pointwise: region {region} takes {program.num_inputs} inputs;"
+            f" got {len(inputs)}"
         )
-    if spec.dropout_p and seed is None:
+    if program.dropout_p and seed is None:
         raise ValueError("seqfast::pointwise: a region with dropout needs a seed tensor")
     shape = _shape(inputs)
-    dtypes = regions.output_dtypes(spec, [t.dtype for t in inputs])
+    dtypes = regions.output_dtypes(program, [t.dtype for t in inputs])
     if runtime.use_kernels(inputs[0]):
         outputs = {
             f"OUT{j}": runtime.empty(tuple(shape), d, inputs[0].device)
             for j, d in enumerate(dtypes)
         }
         if math.prod(shape) > 0:
-            extra = {"SEED": seed, "stream": stream} if spec.dropout_p else {}
+            extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
             _launch(
                 lambda layouts, rank: forward_spec(region, layouts, rank, len(dtypes)),
                 {f"IN{i}": t for i, t in enumerate(inputs)},
@@ -214,16 +211,15 @@ def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: st
                 extra,
             )
         return list(outputs.values())
-    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(spec.dropout_p)]
-    results = spec.forward(*inputs, *masks)
+    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(program.dropout_p)]
+    results = program.forward(*inputs, *masks)
     return [r.to(d).expand(shape).contiguous() for r, d in zip(results, dtypes, strict=True)]
 
 
 @pointwise.register_fake
 def _(inputs, seed, stream, region):
-    spec = regions.lookup(region)
     shape = _shape(inputs)
-    dtypes = regions.output_dtypes(spec, [t.dtype for t in inputs])
+    dtypes = regions.output_dtypes(regions.lookup(region), [t.dtype for t in inputs])
     return [inputs[0].new_empty(shape, dtype=d) for d in dtypes]
 
 
@@ -247,7 +243,7 @@ def pointwise_backward(
     gradients, and `dtypes` the dtype code of each computed gradient."""
     plan_key = (tuple(needs_grad), tuple(has_grad))
     plan = regions.backward_plan(region, *plan_key)
-    spec = regions.lookup(region)
+    program = regions.lookup(region)
     shape = grads[0].shape
     out_dtypes = [_DTYPES[c] for c in dtypes]
     device = grads[0].device
@@ -259,7 +255,7 @@ def pointwise_backward(
             saved_index = [i for i, s in enumerate(plan.saved) if s]
             tensors = {f"IN{i}": t for i, t in zip(saved_index, saved, strict=True)}
             tensors.update({f"GRAD{j}": g for j, g in enumerate(grads)})
-            extra = {"SEED": seed, "stream": stream} if spec.dropout_p else {}
+            extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
             _launch(
                 lambda layouts, rank: backward_spec(region, plan_key, layouts, rank),
                 tensors,
@@ -268,19 +264,19 @@ def pointwise_backward(
                 extra,
             )
         return list(outputs.values())
-    return _backward_reference(spec, plan, saved, grads, seed, stream, shape, out_dtypes)
+    return _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dtypes)
 
 
-def _backward_reference(spec, plan, saved, grads, seed, stream, shape, out_dtypes):
+def _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dtypes):
     """Run the derived graph with the captured dtypes on inputs expanded to the region's shape."""
     saved_iter = iter(saved)
     inputs = [
         next(saved_iter).to(dtype).expand(shape) if keep else None
-        for keep, dtype in zip(plan.saved, spec.input_dtypes, strict=True)
+        for keep, dtype in zip(plan.saved, program.input_dtypes, strict=True)
     ]
-    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(spec.dropout_p)]
+    masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(program.dropout_p)]
     grad_dtypes = [p.meta["val"].dtype for p in plan.graph.graph.nodes if p.op == "placeholder"][
-        spec.num_inputs + len(masks) :
+        program.num_inputs + len(masks) :
     ]
     grads = [g.to(d) for g, d in zip(grads, grad_dtypes, strict=True)]
     results = plan.graph(*inputs, *masks, *grads)

@@ -43,8 +43,9 @@ class Region:
     """Placeholders: the region inputs, then one bool keep-mask per dropout; returns the outputs."""
     input_dtypes: tuple[torch.dtype, ...]
     """Dtypes of the inputs when the region was captured (the graph is traced with them)."""
-    zero_dim: tuple[bool, ...]
-    """Which inputs are 0-d: they take part in type promotion as weak operands."""
+    weak: tuple[bool, ...]
+    """Which inputs take part in type promotion as 0-d tensors do (weakly): 0-d inputs, and
+    linear biases moved into the region (eager's linear casts them to the matmul's dtype)."""
     dropout_p: tuple[float, ...]
     """Drop probability of each dropout, in the order of the mask placeholders."""
 
@@ -131,7 +132,7 @@ def _trace(fn, inputs: Sequence[torch.Tensor], mode: FakeTensorMode) -> GraphMod
 def register(
     graph: Graph,
     input_dtypes: Sequence[torch.dtype],
-    zero_dim: Sequence[bool],
+    weak: Sequence[bool],
     dropout_p: Sequence[float],
 ) -> Region:
     """Trace `graph` (placeholders: inputs, then keep-masks; output: a list) and register it."""
@@ -141,11 +142,11 @@ def register(
         _stand_in(mode, torch.bool) for _ in dropout_p
     ]
     forward = _trace(module, inputs, mode)
-    text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(zero_dim)}|{tuple(dropout_p)}"
+    text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     region = _registry.get(key)
     if region is None:
-        region = Region(key, forward, tuple(input_dtypes), tuple(zero_dim), tuple(dropout_p))
+        region = Region(key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p))
         _registry[key] = region
     return region
 
@@ -218,8 +219,8 @@ def output_dtypes(region: Region, input_dtypes: Sequence[torch.dtype]) -> list[t
 def _output_dtypes(key: str, input_dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
     region = lookup(key)
     inputs = [
-        torch.empty(() if zero else (1,), dtype=dtype, device="meta")
-        for dtype, zero in zip(input_dtypes, region.zero_dim, strict=True)
+        torch.empty(() if weak else (1,), dtype=dtype, device="meta")
+        for dtype, weak in zip(input_dtypes, region.weak, strict=True)
     ]
     masks = [torch.empty((1,), dtype=torch.bool, device="meta") for _ in region.dropout_p]
     return tuple(out.dtype for out in region.forward(*inputs, *masks))

@@ -33,6 +33,8 @@ aten = torch.ops.aten
 FAMILY = "pointwise"
 USER_PATTERN = "seqfast_user_pattern"
 """Node meta key a pointwise user pattern sets on the nodes of each of its matches."""
+_FOLDED_BIAS = "seqfast_folded_bias"
+"""Node meta key on the add a linear's bias was moved into."""
 
 _COMPARISONS = [
     getattr(getattr(aten, name), overload)
@@ -128,12 +130,13 @@ class _Regions:
     """Greedy grouping in graph order. A node joins the regions of its same-shape producers unless
     that would close a cycle through a node outside (an input that depends on one of them)."""
 
-    def __init__(self, ctx: FuseContext) -> None:
+    def __init__(self) -> None:
         self.of: dict[Node, _Region] = {}
         self.reach: dict[Node, int] = {}
+        """Bits of every region a node depends on, through any path."""
         self.epoch: dict[Node, int] = {}
+        """How many barriers precede a node: regions never span one."""
         self.next_bit = 0
-        self.ctx = ctx
 
     def _depends(self, node: Node) -> int:
         bits = 0
@@ -213,7 +216,7 @@ def _fold_linear_biases(ctx: FuseContext, ok: dict[Node, bool]) -> None:
         with ctx.gm.graph.inserting_after(bare):
             added = ctx.call(aten.add.Tensor, bare, bias)
         ctx.site = None
-        added.meta["seqfast_folded_bias"] = True
+        added.meta[_FOLDED_BIAS] = True
         node.replace_all_uses_with(added)
         ctx.gm.graph.erase_node(node)
         ok[added] = True
@@ -226,7 +229,7 @@ def fuse_regions(ctx: FuseContext) -> None:
     refusals = {n: refusal(n) for n in graph.nodes if n.op == "call_function"}
     ok = {n: r is None for n, r in refusals.items()}
     _fold_linear_biases(ctx, ok)
-    grouping = _Regions(ctx)
+    grouping = _Regions()
     epoch = 0
     for node in graph.nodes:
         if is_barrier(node):
@@ -358,6 +361,4 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
 def _is_folded_bias(node: Node, members: set[Node]) -> bool:
     """A linear's bias moved into the region: eager's linear casts it to the matmul's dtype, so it
     takes part in type promotion as a weak operand."""
-    return any(
-        u in members and u.meta.get("seqfast_folded_bias") and u.args[1] is node for u in node.users
-    )
+    return any(u in members and u.meta.get(_FOLDED_BIAS) and u.args[1] is node for u in node.users)

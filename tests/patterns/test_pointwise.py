@@ -130,12 +130,10 @@ def test_dropout_in_the_compiled_step_keeps_its_statistics_and_masks():
     branch = out - x
     kept = branch != 0
     assert abs(kept.float().mean().item() - 0.75) < 0.03
-    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
-    # the residual passes 1 everywhere; the dropped branch elements pass nothing more
-    bias_grad = torch.autograd.grad(
-        torch.compile(model, backend="seqfast")(x), model.down.bias, torch.ones_like(out)
-    )
-    assert grad.shape == x.shape and bias_grad[0].shape == (16,)
+    # the output bias reaches the loss only through the kept elements, scaled by 1 / (1 - p):
+    # its gradient counts, per column, what the forward kept
+    (bias_grad,) = torch.autograd.grad(out, model.down.bias, torch.ones_like(out))
+    torch.testing.assert_close(bias_grad, kept.sum((0, 1)).float() / 0.75)
 
 
 def test_dropout_masks_repeat_under_manual_seed():
