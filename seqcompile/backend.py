@@ -26,12 +26,14 @@ import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.atte
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
+from seqcompile.codegen import prepare_kernel
 from seqcompile.memory import estimate
 from seqcompile.memory.partition import choose_partitioner, partition
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
 from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
+from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
 from seqcompile.report import CompileReport, MemoryPlan, publish
@@ -140,12 +142,15 @@ def plan_memory(
     num_fwd_outputs: int,
     **kwargs: Any,
 ) -> tuple[GraphModule, GraphModule]:
-    """Stage 5: split the joint graph; record what the forward keeps for the backward."""
+    """Stage 5: split the joint graph; fold gradient sums into region backwards; record what the
+    forward keeps for the backward."""
     state.dump("differentiate_joint", joint)
     strategy = choose_partitioner(state.options.partition, state.rest)
     forward, backward = partition(
         joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
     )
+    for spec in fold_gradient_sums(backward):
+        state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)

@@ -33,6 +33,11 @@ def _shape(inputs: Sequence[Tensor]) -> torch.Size:
     return torch.broadcast_shapes(*(t.shape for t in inputs))
 
 
+def _unfolded(outputs: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Gradient terms and written sums as autograd calls the backward: one term per output."""
+    return (1,) * outputs, (False,) * outputs
+
+
 # --------------------------------------------------------------------------------------------
 # layouts: collapse the region's shape and describe how each operand walks it
 
@@ -96,34 +101,46 @@ def _layouts(
     return sizes, walks, tuple(_layout(w, sizes) for w in walks[: len(operands)])
 
 
+def _at_hints(t: Tensor) -> Tensor:
+    """A meta tensor with `t`'s sizes and strides at the values they were traced with."""
+    return torch.empty_strided(
+        [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()], dtype=t.dtype, device="meta"
+    )
+
+
 def compile_time_specs(
     region: regions.Region, inputs: Sequence[Tensor], needs_grad: Sequence[bool] | None
 ) -> list[KernelSpec]:
     """The kernels a compiled graph will launch, rendered now at the traced sizes and strides (so
     an op the printer lacks fails the compile, not the run): the forward, and the backward when
     `needs_grad` names an input needing a gradient."""
-    concrete = [
-        torch.empty_strided(
-            [_hint(s) for s in t.shape],
-            [_hint(s) for s in t.stride()],
-            dtype=t.dtype,
-            device="meta",
-        )
-        for t in inputs
-    ]
+    concrete = [_at_hints(t) for t in inputs]
     shape = list(_shape(concrete))
     outputs = len(regions.output_dtypes(region, [t.dtype for t in inputs]))
     sizes, _, layouts = _layouts(shape, concrete, outputs)
     specs = [forward_spec(region.key, layouts, len(sizes), outputs)[0]]
     if needs_grad is not None and any(needs_grad):
-        plan_key = (tuple(needs_grad), (True,) * outputs)
+        plan_key = (tuple(needs_grad), *_unfolded(outputs))
         plan = regions.backward_plan(region.key, *plan_key)
-        if plan.computed:
-            saved = [t for t, keep in zip(concrete, plan.saved, strict=True) if keep]
-            grads = [torch.empty(shape, device="meta")] * outputs
-            sizes, _, layouts = _layouts(shape, saved + grads, len(plan.computed))
-            specs.append(backward_spec(region.key, plan_key, layouts, len(sizes))[0])
+        saved = [t for t, keep in zip(concrete, plan.saved, strict=True) if keep]
+        specs += backward_specs(
+            region.key, plan_key, saved, [torch.empty(shape, device="meta")] * outputs
+        )
     return specs
+
+
+def backward_specs(
+    key: str, plan_key: tuple, saved: Sequence[Tensor], grads: Sequence[Tensor]
+) -> list[KernelSpec]:
+    """The backward kernel for the saved inputs and gradient terms a compiled graph passes (at
+    their traced sizes and strides); none when the plan computes nothing."""
+    plan = regions.backward_plan(key, *plan_key)
+    if not plan.computed:
+        return []
+    operands = [_at_hints(t) for t in (*saved, *grads)]
+    shape = list(_shape(operands))
+    sizes, _, layouts = _layouts(shape, operands, len(plan.computed))
+    return [backward_spec(key, plan_key, layouts, len(sizes))[0]]
 
 
 def _launch(
@@ -162,11 +179,11 @@ def backward_spec(
 ) -> tuple[KernelSpec, tuple[str, ...]]:
     region = regions.lookup(key)
     plan = regions.backward_plan(key, *plan_key)
-    needs_grad, has_grad = plan_key
+    terms = sum(plan_key[1])
     saved = [i for i, s in enumerate(plan.saved) if s]
     layout_of = dict(
         zip(
-            [f"IN{i}" for i in saved] + [f"GRAD{j}" for j in range(sum(has_grad))],
+            [f"IN{i}" for i in saved] + [f"GRAD{j}" for j in range(terms)],
             layouts,
             strict=True,
         )
@@ -175,7 +192,7 @@ def backward_spec(
         Load(f"IN{i}", layout_of[f"IN{i}"]) if s else None for i, s in enumerate(plan.saved)
     ]
     operands += [Mask(k, p) for k, p in enumerate(region.dropout_p)]
-    operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(sum(has_grad))]
+    operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(terms)]
     names = [f"DIN{j}" for j in range(len(plan.computed))]
     return render(plan.graph, operands, names, rank, f"backward of region {key}")
 
@@ -235,17 +252,19 @@ def pointwise_backward(
     stream: int,
     region: str,
     needs_grad: list[bool],
-    has_grad: list[bool],
+    grad_terms: list[int],
+    written: list[bool],
     dtypes: list[int],
 ) -> list[Tensor]:
     """The gradients the derived backward computes (`BackwardPlan.computed`), each with the
-    region's shape; `saved` holds the inputs the plan reads, `grads` the present output
-    gradients, and `dtypes` the dtype code of each computed gradient."""
-    plan_key = (tuple(needs_grad), tuple(has_grad))
+    region's shape; `saved` holds the inputs the plan reads, `grads` the terms of the output
+    gradients (`grad_terms[j]` of them for output j, summed in the kernel), `written` the outputs
+    whose summed gradient is written too, and `dtypes` the dtype code of each computed value."""
+    plan_key = (tuple(needs_grad), tuple(grad_terms), tuple(written))
     plan = regions.backward_plan(region, *plan_key)
     program = regions.lookup(region)
     shape = grads[0].shape
-    out_dtypes = [_DTYPES[c] for c in dtypes]
+    out_dtypes = [DTYPE_CODES[c] for c in dtypes]
     device = grads[0].device
     if runtime.use_kernels(grads[0]):
         outputs = {
@@ -284,11 +303,11 @@ def _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dt
 
 
 @pointwise_backward.register_fake
-def _(saved, grads, seed, stream, region, needs_grad, has_grad, dtypes):
-    return [grads[0].new_empty(grads[0].shape, dtype=_DTYPES[c]) for c in dtypes]
+def _(saved, grads, seed, stream, region, needs_grad, grad_terms, written, dtypes):
+    return [grads[0].new_empty(grads[0].shape, dtype=DTYPE_CODES[c]) for c in dtypes]
 
 
-_DTYPES = (
+DTYPE_CODES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
 )  # fmt: skip
@@ -306,7 +325,7 @@ def _setup_context(ctx, inputs, output):
         for need, t in zip(ctx.needs_input_grad[: len(tensors)], tensors, strict=True)
     )
     ctx.config = (region, stream, needs_grad, [(t.shape, t.dtype) for t in tensors])
-    plan = regions.backward_plan(region, needs_grad, (True,) * len(output))
+    plan = regions.backward_plan(region, needs_grad, *_unfolded(len(output)))
     ctx.save_for_backward(seed, *(t for t, keep in zip(tensors, plan.saved, strict=True) if keep))
     ctx.set_materialize_grads(False)
 
@@ -314,11 +333,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     region, stream, needs_grad, metas = ctx.config
     seed, *saved_all = ctx.saved_tensors
-    has_grad = tuple(g is not None for g in grads)
-    if not any(has_grad) or not any(needs_grad):
+    grad_terms = tuple(int(g is not None) for g in grads)
+    if not any(grad_terms) or not any(needs_grad):
         return None, None, None, None
-    full_plan = regions.backward_plan(region, needs_grad, (True,) * len(grads))
-    plan = regions.backward_plan(region, needs_grad, has_grad)
+    full_plan = regions.backward_plan(region, needs_grad, *_unfolded(len(grads)))
+    plan = regions.backward_plan(region, needs_grad, grad_terms, (False,) * len(grads))
     kept = iter(saved_all)
     by_input = [next(kept) if keep else None for keep in full_plan.saved]
     saved = [t for t, keep in zip(by_input, plan.saved, strict=True) if keep]
@@ -326,8 +345,8 @@ def _backward(ctx, grads):
     shape = present[0].shape
     computed_dtypes = _computed_dtypes(plan, metas, shape)
     computed = torch.ops.seqfast.pointwise_backward(
-        saved, present, seed, stream, region, list(needs_grad), list(has_grad),
-        [_DTYPES.index(d) for d in computed_dtypes],
+        saved, present, seed, stream, region, list(needs_grad), list(grad_terms),
+        [False] * len(grads), [DTYPE_CODES.index(d) for d in computed_dtypes],
     )  # fmt: skip
     result = []
     for (in_shape, dtype), how in zip(metas, plan.input_grads, strict=True):

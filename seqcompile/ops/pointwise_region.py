@@ -69,13 +69,16 @@ class BackwardPlan:
     """The derived backward of a region for one set of inputs needing and outputs carrying grads."""
 
     graph: GraphModule
-    """Placeholders: region inputs, keep-masks, present output gradients; returns `computed`."""
+    """Placeholders: region inputs, keep-masks, the terms of the output gradients; returns
+    `computed`."""
     computed: tuple[Node, ...]
     """Distinct gradient values the kernel writes."""
     input_grads: tuple[InputGrad, ...]
     """One per region input."""
     saved: tuple[bool, ...]
     """Which region inputs the backward reads (the forward keeps only these)."""
+    sums: tuple[int, ...]
+    """For each output in `written`, the index in `computed` of its summed gradient."""
 
 
 class UnsupportedRegion(Exception):
@@ -153,25 +156,35 @@ def register(
 
 @functools.lru_cache(maxsize=512)
 def backward_plan(
-    key: str, needs_grad: tuple[bool, ...], has_grad: tuple[bool, ...]
+    key: str,
+    needs_grad: tuple[bool, ...],
+    grad_terms: tuple[int, ...],
+    written: tuple[bool, ...],
 ) -> BackwardPlan:
-    """Differentiate region `key` for the inputs in `needs_grad`, given the outputs in `has_grad`
-    receive gradients. Gradients the trace leaves as an incoming gradient pass through."""
+    """Differentiate region `key` for the inputs in `needs_grad`. Output j's gradient arrives as
+    the sum of `grad_terms[j]` tensors (0: it has none; more than one when autograd's sum of a
+    value read twice is folded into this backward), and for the outputs in `written` the kernel
+    also writes that sum. Gradients the trace leaves as a lone incoming term pass through."""
     region = lookup(key)
     out_dtypes = [n.meta["val"].dtype for n in _outputs(region.forward)]
-    has_grad = tuple(h and d.is_floating_point for h, d in zip(has_grad, out_dtypes, strict=True))
+    grad_terms = tuple(
+        n if d.is_floating_point else 0 for n, d in zip(grad_terms, out_dtypes, strict=True)
+    )
     num_masks, count = len(region.dropout_p), region.num_inputs
 
     def joint(*flat):
-        inputs, masks, grads = (
+        inputs, masks, terms = (
             flat[:count],
             flat[count : count + num_masks],
-            flat[count + num_masks :],
+            iter(flat[count + num_masks :]),
         )
         outs = region.forward(*inputs, *masks)
-        chosen = [o for o, has in zip(outs, has_grad, strict=True) if has]
+        grads = [_sum([next(terms) for _ in range(n)]) for n in grad_terms]
+        chosen = [o for o, n in zip(outs, grad_terms, strict=True) if n]
         wrt = [x for x, need in zip(inputs, needs_grad, strict=True) if need]
-        return list(torch.autograd.grad(chosen, wrt, grads, allow_unused=True))
+        present = [g for g in grads if g is not None]
+        input_grads = torch.autograd.grad(chosen, wrt, present, allow_unused=True)
+        return [*input_grads, *(g for g, w in zip(grads, written, strict=True) if w)]
 
     mode = FakeTensorMode()
     inputs = [
@@ -179,29 +192,40 @@ def backward_plan(
         for d, need in zip(region.input_dtypes, needs_grad, strict=True)
     ]
     masks = [_stand_in(mode, torch.bool) for _ in range(num_masks)]
-    grads = [_stand_in(mode, d) for d, has in zip(out_dtypes, has_grad, strict=True) if has]
-    graph = _trace(joint, (*inputs, *masks, *grads), mode)
+    terms = [
+        _stand_in(mode, d) for d, n in zip(out_dtypes, grad_terms, strict=True) for _ in range(n)
+    ]
+    graph = _trace(joint, (*inputs, *masks, *terms), mode)
 
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-    grad_placeholders = placeholders[region.num_inputs + num_masks :]
+    term_placeholders = placeholders[region.num_inputs + num_masks :]
     results = iter(_outputs(graph))
     computed: list[Node] = []
+
+    def write(value: Node) -> int:
+        if value not in computed:
+            computed.append(value)
+        return computed.index(value)
+
     input_grads = []
     for need in needs_grad:
         result = next(results) if need else None
         if result is None:
             input_grads.append(InputGrad("none"))
-        elif result in grad_placeholders:
-            input_grads.append(InputGrad("passthrough", grad_placeholders.index(result)))
+        elif result in term_placeholders:
+            input_grads.append(InputGrad("passthrough", term_placeholders.index(result)))
         else:
-            if result not in computed:
-                computed.append(result)
-            input_grads.append(InputGrad("computed", computed.index(result)))
+            input_grads.append(InputGrad("computed", write(result)))
+    sums = tuple(write(result) for result in results)
     output = next(n for n in graph.graph.nodes if n.op == "output")
     output.args = (list(computed),)
     graph = _clean(graph)
     saved = tuple(bool(p.users) for p in placeholders[: region.num_inputs])
-    return BackwardPlan(graph, tuple(computed), tuple(input_grads), saved)
+    return BackwardPlan(graph, tuple(computed), tuple(input_grads), saved, sums)
+
+
+def _sum(terms: list[torch.Tensor]) -> torch.Tensor | None:
+    return functools.reduce(torch.add, terms) if terms else None
 
 
 def _outputs(gm: GraphModule) -> list[Node | None]:

@@ -124,15 +124,19 @@ POINTWISE = textwrap.dedent(
     region = region_of_function(bias_gelu_dropout, [x, b])
     spec, _ = pointwise.forward_spec(region.key, ("flat", (False, True)), 2, 1)
     compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*fp32", "OUT0": "*bf16"})
-    plan_key = ((True, True), (True,))
-    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", (False, True), "flat"), 2)
-    compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*fp32", "GRAD0": "*bf16", "DIN0": "*bf16"})
+    plan_key = ((True, True), (2,), (True,))  # a gradient in two terms, one broadcast; sum written
+    layouts = ("flat", (False, True), "flat", "scalar")
+    spec, _ = pointwise.backward_spec(region.key, plan_key, layouts, 2)
+    compile_pointwise(
+        spec, {"IN0": "*bf16", "IN1": "*fp32", "GRAD0": "*bf16", "GRAD1": "*bf16", "DIN0": "*bf16",
+               "DIN1": "*bf16"}
+    )
 
     mask = torch.rand(4, 8) > 0.5
     region = region_of_function(gated, [x, x.detach().requires_grad_(), mask])
     spec, _ = pointwise.forward_spec(region.key, ("flat", "flat", "scalar"), 1, 1)
     compile_pointwise(spec, {"IN0": "*fp16", "IN1": "*fp16", "IN2": "*i1", "OUT0": "*fp16"})
-    plan_key = ((True, True, False), (True,))
+    plan_key = ((True, True, False), (1,), (False,))
     spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat", "flat"), 1)
     compile_pointwise(
         spec, {"IN0": "*fp32", "IN1": "*fp32", "IN2": "*i1", "GRAD0": "*fp32", "DIN0": "*fp32",

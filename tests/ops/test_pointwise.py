@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCES
 
 import seqcompile.ops.pointwise  # noqa: F401  (registers the op)
+from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.random import keep_mask
 from seqcompile.patterns.pointwise import region_of_function
 
@@ -250,6 +251,36 @@ def test_the_backward_saves_only_the_inputs_it_reads():
         kept = [t for t in saved if t is not None]
         assert len(kept) == len(expected)
         assert all(any(k is e for e in expected) for k in kept)
+
+
+def test_the_backward_adds_gradient_terms_itself(impl):
+    """An output gradient passed as several terms (a folded autograd sum, one of them broadcast)
+    gives every input the gradient their sum gives, and the sum itself when it is written."""
+    x, h, b = make(SHAPE), make(SHAPE, seed=1), make((7,), seed=2)
+    region = region_of_function(lambda x, h, b: x + F.dropout(F.gelu(h + b), 0.1), [x, h, b])
+    terms = [
+        make(SHAPE, seed=3).detach(),
+        make(SHAPE, seed=4).detach(),
+        torch.randn(7).expand(SHAPE),
+    ]
+    total = terms[0] + terms[1] + terms[2]
+
+    def backward(grads, count, written):
+        plan = regions.backward_plan(region.key, (True,) * 3, (count,), (written,))
+        saved = [t.detach() for t, keep in zip([x, h, b], plan.saved, strict=True) if keep]
+        dtype_codes = [0] * len(plan.computed)
+        return plan, torch.ops.seqfast.pointwise_backward(
+            saved, grads, SEED, 0, region.key, [True] * 3, [count], [written], dtype_codes
+        )
+
+    one, unfolded = backward([total], 1, False)
+    three, folded = backward(terms, 3, True)
+    assert [g.kind for g in one.input_grads] == ["passthrough", "computed", "computed"]
+    for before, after in zip(one.input_grads, three.input_grads, strict=True):
+        assert after.kind == "computed"
+        expected = total if before.kind == "passthrough" else unfolded[before.index]
+        torch.testing.assert_close(folded[after.index], expected)
+    torch.testing.assert_close(folded[three.sums[0]], total)
 
 
 def test_wrong_arguments_are_clear_errors():
