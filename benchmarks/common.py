@@ -3,6 +3,7 @@ facts, and markdown tables that carry the command that produced them."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import statistics
 import sys
@@ -11,6 +12,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+
+def standard_setup(doc: str) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """The options every kernel benchmark takes (`--quick`, `--no-inductor`, `--output`), the
+    device (CUDA when present) and the dtype measured there (bf16 on CUDA, float32 on CPU)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
+    parser.add_argument("--output", help="append the markdown table to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def device_name(device: torch.device) -> str:

@@ -11,5 +11,6 @@ pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -2
 python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40 | tee "$out/pytest_gpu.txt"
 python -m benchmarks.norm_kernels --output "$out/results.md" 2>&1 | tail -60
 python -m benchmarks.pointwise_kernels --output "$out/results.md" 2>&1 | tail -40
+python -m benchmarks.loss --output "$out/results.md" 2>&1 | tail -50
 python -m benchmarks.attention --output "$out/results.md" 2>&1 | tail -30
 python -m benchmarks.train_step --output "$out/results.md" 2>&1 | tail -20

@@ -10,8 +10,6 @@ gradient and the sum and writes the input gradient.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +20,7 @@ from benchmarks.common import (
     copy_bandwidth_gbs,
     emit,
     header,
+    standard_setup,
     table,
     timed_ms,
 )
@@ -76,13 +75,7 @@ def bench_case(executors, rows, width, dtype, rms, device, backward):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
-    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
-    parser.add_argument("--output", help="append the markdown table to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, dtype = standard_setup(__doc__)
     rows = 256 if args.quick else 32768
     widths = (64, 96) if args.quick else (768, 1024, 4096, 8192)
     ceiling = copy_bandwidth_gbs(device, 8 if args.quick else 1024)

@@ -12,8 +12,6 @@ output gradient, a and b and writes da and db (5). The bias and the seed are neg
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +21,7 @@ from benchmarks.common import (
     copy_bandwidth_gbs,
     emit,
     header,
+    standard_setup,
     table,
     timed_ms,
 )
@@ -92,13 +91,7 @@ def bench(name, rows, width, dtype, device, backward, inductor):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
-    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
-    parser.add_argument("--output", help="append the markdown table to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, dtype = standard_setup(__doc__)
     shapes = [(256, 64)] if args.quick else [(16384, 3072), (32768, 4096), (8192, 11008)]
     ceiling = copy_bandwidth_gbs(device, 8 if args.quick else 1024)
     lines = header("Fused pointwise regions", device, "benchmarks.pointwise_kernels")

@@ -23,6 +23,8 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
+import seqcompile.ops.cross_entropy  # noqa: F401  (registers torch.ops.seqfast.cross_entropy)
+import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers its op)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
@@ -110,7 +112,9 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
         for node, example in zip(placeholders, state.example_inputs, strict=False)
         if isinstance(example, torch.Tensor) and example.requires_grad
     )
-    ctx = FuseContext(gm, state.fake_mode, state.report, state.name, training, grad_inputs)
+    ctx = FuseContext(
+        gm, state.fake_mode, state.report, state.name, training, grad_inputs, state.options
+    )
     run_patterns(builtin_patterns(), ctx)
     fuse_regions(ctx)
     return gm

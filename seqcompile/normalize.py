@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from seqcompile import normalize_loss
 from seqcompile.fx_utils import arg, erase_unused, insert_call, is_call, source_meta, tensor_val
 
 aten = torch.ops.aten
@@ -85,6 +86,22 @@ def _one_cast_spelling(node: Node, ctx: RuleContext) -> Node | None:
     if node.target is aten.to.dtype and len(node.args) == 2 and not node.kwargs:
         return None
     return ctx.call(aten.to.dtype, node.args[0], dtype)
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _cast_after_reshape(node: Node, ctx: RuleContext) -> Node | None:
+    """`reshape(to(x, dtype))` becomes `to(reshape(x), dtype)` when the cast is read only there:
+    casts move next to their consumer (a loss absorbs the upcast of its logits)."""
+    if not is_call(node, *_RESHAPES) or not is_call(node.args[0], aten.to.dtype):
+        return None
+    cast = node.args[0]
+    source = tensor_val(cast.args[0])
+    if len(cast.users) != 1 or source is None or not source.is_contiguous():
+        return None
+    reshaped = ctx.call(node.target, cast.args[0], *node.args[1:])
+    return ctx.call(aten.to.dtype, reshaped, cast.args[1])
 
 
 def _div_by_constant(node: Node, ctx: RuleContext) -> Node | None:
@@ -212,11 +229,14 @@ def _permuted(ctx: RuleContext, node: Node, order: list[int]) -> Node:
 RULES: list[Rule] = [
     Rule("drop_inactive_dropout", _drop_inactive_dropout),
     Rule("one_cast_spelling", _one_cast_spelling),
+    Rule("cast_after_reshape", _cast_after_reshape),
     Rule("div_by_constant", _div_by_constant),
     Rule("square_as_pow", _square_as_pow),
     Rule("rsqrt_spellings", _rsqrt_spellings),
     Rule("bmm_as_matmul", _bmm_as_matmul),
     Rule("einsum_as_matmul", _einsum_as_matmul),
+    Rule("nll_of_log_softmax", normalize_loss.nll_of_log_softmax),
+    Rule("smoothed_nll_written_out", normalize_loss.smoothed_nll_written_out),
 ]
 
 

@@ -47,6 +47,14 @@ def _parse_choice(choices: tuple[str, ...], allow_none: bool) -> Callable[[str, 
     return parse
 
 
+def _parse_count(name: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise OptionError(f'options["{name}"] must be a whole number >= 0; got {value!r}')
+
+
 def _parse_path(name: str, value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -72,6 +80,9 @@ class Options:
     (save what eager saves), or "auto" (min_cut with inductor, default with eager)."""
     log: str | None = None
     """Level of the "seqcompile" logger; None leaves it as configured (e.g. by TORCH_LOGS)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the fused linear + cross-entropy (its extra memory is one chunk of
+    logits); 0 picks an eighth of the tokens."""
 
     @classmethod
     def resolve(
@@ -102,5 +113,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "disable": _parse_bool,
     "partition": _parse_choice(PARTITION_CHOICES, allow_none=False),
     "log": _parse_choice(LOG_CHOICES, allow_none=True),
+    "loss_chunk": _parse_count,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
         "benchmarks.train_step",
         "benchmarks.attention",
         "benchmarks.pointwise_kernels",
+        "benchmarks.loss",
     ],
 )
 def test_benchmark_quick_run_writes_a_table(module, tmp_path):

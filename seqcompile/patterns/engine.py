@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx_utils import depends_on, insert_call, site_name, source_meta
 from seqcompile.ops.random import SEED_HIGH
+from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
 
 aten = torch.ops.aten
@@ -57,6 +58,7 @@ class FuseContext:
     grad_inputs: frozenset[Node] = frozenset()
     """Placeholders whose example inputs require grad (fake values in the pre-dispatch graph all
     say `requires_grad=False`)."""
+    options: Options = dataclasses.field(default_factory=Options)
     site: Node | None = None
     """The anchor being rewritten; new nodes inherit its source location."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)

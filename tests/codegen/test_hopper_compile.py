@@ -146,6 +146,24 @@ POINTWISE = textwrap.dedent(
 )
 
 
+CROSS_ENTROPY = textwrap.dedent(
+    """
+    from seqcompile.ops import cross_entropy
+
+    for mode in ("forward", "backward", "forward_grad"):
+        fn = kernel_function(cross_entropy.spec(mode))
+        sig = {name: "*fp32" for name in fn.arg_names}
+        sig.update(LOGITS="*bf16", TARGET="*i64", V="i32", row_stride="i32", ignore_index="i64",
+                   smoothing="fp32", BLOCK_V="constexpr")
+        if mode == "backward":
+            sig.update(GRAD="*fp32", DLOGITS="*bf16", grad_stride="i32")
+        source = ASTSource(fn, sig, constexprs={"BLOCK_V": 4096})
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        print("ok", mode)
+    """
+)
+
+
 def compile_for_hopper(body: str) -> str:
     env = {
         k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SEQFAST_INTERPRET")
@@ -168,3 +186,7 @@ def test_attention_template_variants_compile_to_hopper_cubins():
 
 def test_pointwise_kernels_compile_to_hopper_cubins():
     assert compile_for_hopper(POINTWISE).count("ok ") == 4
+
+
+def test_cross_entropy_kernels_compile_to_hopper_cubins():
+    assert compile_for_hopper(CROSS_ENTROPY).count("ok ") == 3

@@ -1,0 +1,183 @@
+"""The fused cross-entropy operator `seqfast::cross_entropy` and its backward
+`seqfast::cross_entropy_backward`: schema, fake implementation, reference, kernel launch, autograd.
+
+    cross_entropy(logits (M, V), target (M,), ignore_index, smoothing) -> (loss (M,), lse (M,))
+
+returns each row's loss and log-sum-exp in float32, reading the logits in their own dtype (an
+upcast to float32 before the loss costs nothing). The backward saves the logits, the targets and
+the log-sum-exp, never a softmax or log-probability matrix, and writes the gradient of the logits
+in one pass. Reductions stay outside, in the graph: `sum`, or `sum / count` with the count of
+non-ignored targets computed on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from seqcompile import runtime
+from seqcompile.codegen import KernelSpec, kernel_function
+
+Tensor = torch.Tensor
+MAX_BLOCK_V = 4096
+"""Vocabulary entries a program reads per step."""
+
+
+def spec(mode: str) -> KernelSpec:
+    """`forward` (loss, lse), `backward` (gradient of the logits) or `forward_grad` (loss, lse,
+    then the gradient written over the logits)."""
+    return KernelSpec.of("cross_entropy", mode=mode)
+
+
+def _block(vocab: int) -> tuple[int, int]:
+    block = min(triton.next_power_of_2(max(vocab, 1)), MAX_BLOCK_V)
+    return block, 8 if block >= 2048 else 4
+
+
+def rows(logits: Tensor) -> Tensor:
+    """`logits` with a contiguous vocabulary dimension (a copy only when it is strided)."""
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+    """A target outside [0, vocab) that is not `ignore_index` is an error, as in eager: raised
+    here on CPU, a device-side assert on CUDA (no host synchronization)."""
+    valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
+    message = f"cross-entropy: a target is outside [0, {vocab}) and is not ignore_index"
+    if target.is_cuda:
+        torch._assert_async(valid.all(), message)
+    elif not bool(valid.all()):
+        raise IndexError(message)
+
+
+# --------------------------------------------------------------------------------------------
+# reference
+
+
+def reference_rows(
+    logits: Tensor, target: Tensor, ignore_index: int, smoothing: float
+) -> tuple[Tensor, Tensor]:
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    ignored = target == ignore_index
+    picked = x.gather(1, torch.where(ignored, 0, target).unsqueeze(1)).squeeze(1)
+    loss = lse - (1.0 - smoothing) * picked - (smoothing / x.shape[-1]) * x.sum(-1)
+    return loss.masked_fill(ignored, 0.0), lse
+
+
+def reference_grad(
+    logits: Tensor, target: Tensor, lse: Tensor, grad: Tensor, ignore_index: int, smoothing: float
+) -> Tensor:
+    x = logits.float()
+    ignored = target == ignore_index
+    d = torch.exp(x - lse.unsqueeze(1)) - smoothing / x.shape[-1]
+    rows_ = torch.arange(x.shape[0], device=x.device)
+    d[rows_, torch.where(ignored, 0, target)] -= torch.where(ignored, 0.0, 1.0 - smoothing)
+    g = torch.where(ignored, 0.0, grad.float())
+    return (d * g.unsqueeze(1)).to(logits.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def _launch(mode: str, logits: Tensor, target: Tensor, *tensors: Tensor, ignore_index, smoothing):
+    m, vocab = logits.shape
+    if m == 0:
+        return
+    block, warps = _block(vocab)
+    strides = (logits.stride(0),) + ((tensors[1].stride(0),) if mode == "backward" else ())
+    kernel_function(spec(mode))[(m,)](
+        logits, target, *tensors, vocab, *strides, ignore_index, smoothing,
+        BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def loss_and_grad_in_place(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, smoothing: float
+) -> tuple[Tensor, Tensor]:
+    """Each row's loss and log-sum-exp; then `logits` (contiguous rows) is overwritten with the
+    gradient of the rows' losses, each weighted by `scale` (a float32 0-d tensor)."""
+    m = logits.shape[0]
+    if runtime.use_kernels(logits):
+        loss = runtime.empty((m,), torch.float32, logits.device)
+        lse = runtime.empty((m,), torch.float32, logits.device)
+        _launch(
+            "forward_grad", logits, target, loss, lse, scale,
+            ignore_index=ignore_index, smoothing=smoothing,
+        )  # fmt: skip
+        return loss, lse
+    loss, lse = reference_rows(logits, target, ignore_index, smoothing)
+    grad = scale.expand(m)
+    logits.copy_(reference_grad(logits, target, lse, grad, ignore_index, smoothing))
+    return loss, lse
+
+
+# --------------------------------------------------------------------------------------------
+# operators
+
+
+@torch.library.custom_op("seqfast::cross_entropy", mutates_args=())
+def cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int, smoothing: float
+) -> tuple[Tensor, Tensor]:
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(
+            "seqfast::cross_entropy: logits must be (rows, classes) and target (rows,); got"
+            f" {tuple(logits.shape)} and {tuple(target.shape)}"
+        )
+    check_targets(target, logits.shape[1], ignore_index)
+    if not runtime.use_kernels(logits):
+        return reference_rows(logits, target, ignore_index, smoothing)
+    m = logits.shape[0]
+    loss = runtime.empty((m,), torch.float32, logits.device)
+    lse = runtime.empty((m,), torch.float32, logits.device)
+    _launch(
+        "forward", rows(logits), target, loss, lse, ignore_index=ignore_index, smoothing=smoothing
+    )
+    return loss, lse
+
+
+@cross_entropy.register_fake
+def _(logits, target, ignore_index, smoothing):
+    m = logits.shape[0]
+    return logits.new_empty((m,), dtype=torch.float32), logits.new_empty((m,), dtype=torch.float32)
+
+
+@torch.library.custom_op("seqfast::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, smoothing: float
+) -> Tensor:
+    """The gradient of the logits, in their dtype, for incoming per-row gradients `grad`."""
+    if not runtime.use_kernels(logits):
+        return reference_grad(logits, target, lse, grad, ignore_index, smoothing)
+    dlogits = runtime.empty(tuple(logits.shape), logits.dtype, logits.device)
+    _launch(
+        "backward", rows(logits), target, lse, grad, dlogits,
+        ignore_index=ignore_index, smoothing=smoothing,
+    )  # fmt: skip
+    return dlogits
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target, lse, ignore_index, smoothing):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, smoothing = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.config = (ignore_index, smoothing)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    if grad_loss is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    logits, target, lse = ctx.saved_tensors
+    dlogits = torch.ops.seqfast.cross_entropy_backward(grad_loss, logits, target, lse, *ctx.config)
+    return dlogits, None, None, None
+
+
+cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,140 @@
+"""The fused linear + cross-entropy operator `seqfast::linear_cross_entropy`, which never builds the
+full logits, and its backward `seqfast::linear_cross_entropy_backward`.
+
+    linear_cross_entropy(hidden (M, D), weight (V, D), bias (V,)?, target (M,), ignore_index,
+                         smoothing, mean, chunk, compute_dtype, needs_grad)
+        -> (loss (), dhidden, dweight, dbias)
+
+walks the tokens in chunks of `chunk` rows. Per chunk it forms the logits in `compute_dtype` (the
+linear's dtype, autocast's included), computes each row's loss and overwrites the logits with their
+gradient (one kernel), then adds the chunk's share of the gradients: `dlogits @ weight` into
+`dhidden`, `dlogits^T @ hidden` into a float32 weight gradient, and column sums into a float32 bias
+gradient. The loss is the sum over non-ignored rows, divided by their count (kept on the device)
+when `mean`. The gradients are those of this loss; the backward only multiplies them by the
+incoming gradient, so the loss can be scaled, summed with other terms or divided for gradient
+accumulation. Peak extra memory is one chunk of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqcompile.ops import cross_entropy as ce
+
+Tensor = torch.Tensor
+
+
+def default_chunk(rows: int) -> int:
+    """An eighth of the tokens (at most), in multiples of 128 rows once there are that many."""
+    chunk = max(1, rows // 8)
+    return chunk - chunk % 128 if chunk >= 128 else chunk
+
+
+def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """total += a @ b, `total` float32: half-precision products accumulate in float32 on CUDA; on
+    CPU the product runs in float32."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total.addmm_(a.float(), b.float())
+
+
+def _empty(t: Tensor, shape, dtype) -> Tensor:
+    return t.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("seqfast::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    mean: bool,
+    chunk: int,
+    compute_dtype: torch.dtype,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`needs_grad`: whether hidden, weight and bias need gradients (absent ones come back
+    empty)."""
+    m, vocab = hidden.shape[0], weight.shape[0]
+    if hidden.dim() != 2 or weight.dim() != 2 or target.shape != hidden.shape[:1]:
+        raise ValueError(
+            "seqfast::linear_cross_entropy: hidden must be (rows, features), weight (classes,"
+            f" features) and target (rows,); got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+            f" and {tuple(target.shape)}"
+        )
+    ce.check_targets(target, vocab, ignore_index)
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+    b = bias.to(compute_dtype) if bias is not None else None
+    want_h, want_w, want_b = needs_grad
+    count = (target != ignore_index).sum()
+    scale = (1.0 / count).float() if mean else torch.ones((), device=hidden.device)
+    dh = _empty(hidden, (m, hidden.shape[1]) if want_h else (0,), hidden.dtype)
+    dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
+    db = torch.zeros((vocab,) if want_b else (0,), device=weight.device)
+    total = torch.zeros((), device=hidden.device)
+    step = chunk if chunk > 0 else default_chunk(m)
+    for start in range(0, m, step):
+        rows = slice(start, min(start + step, m))
+        logits = torch.mm(h[rows], w.t()) if b is None else torch.addmm(b, h[rows], w.t())
+        loss, _ = ce.loss_and_grad_in_place(logits, target[rows], scale, ignore_index, smoothing)
+        total += loss.sum()
+        if want_h:
+            dh[rows] = torch.mm(logits, w)
+        if want_w:
+            _accumulate(dw, logits.t(), h[rows])
+        if want_b:
+            db += logits.float().sum(0)
+    loss = total * scale if mean else total
+    dbias_dtype = bias.dtype if bias is not None else torch.float32
+    return loss, dh, dw.to(weight.dtype), db.to(dbias_dtype)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, target, ignore_index, smoothing, mean, chunk, compute_dtype, needs):
+    want_h, want_w, want_b = needs
+    dbias_dtype = bias.dtype if bias is not None else torch.float32
+    return (
+        _empty(hidden, (), torch.float32),
+        _empty(hidden, hidden.shape if want_h else (0,), hidden.dtype),
+        _empty(weight, weight.shape if want_w else (0,), weight.dtype),
+        _empty(weight, (weight.shape[0],) if want_b else (0,), dbias_dtype),
+    )
+
+
+@torch.library.custom_op("seqfast::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward's gradients times the incoming gradient of the loss."""
+    return tuple((t * grad).to(t.dtype) for t in (dhidden, dweight, dbias))
+
+
+@linear_cross_entropy_backward.register_fake
+def _(grad, dhidden, dweight, dbias):
+    return tuple(torch.empty_like(t) for t in (dhidden, dweight, dbias))
+
+
+def _setup_context(ctx, inputs, output):
+    _loss, dh, dw, db = output
+    ctx.mark_non_differentiable(dh, dw, db)
+    ctx.save_for_backward(dh, dw, db)
+    ctx.has_bias = inputs[2] is not None
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad, *_unused):
+    if grad is None:
+        return (None,) * 10
+    dh, dw, db = torch.ops.seqfast.linear_cross_entropy_backward(grad, *ctx.saved_tensors)
+    wanted = ctx.needs_input_grad
+    return (
+        dh if wanted[0] and dh.numel() else None,
+        dw if wanted[1] and dw.numel() else None,
+        db if ctx.has_bias and wanted[2] and db.numel() else None,
+    ) + (None,) * 7
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

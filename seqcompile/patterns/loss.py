@@ -1,0 +1,197 @@
+"""The loss family: `aten.cross_entropy_loss` (every spelling of it, after normalization) becomes
+`seqfast::cross_entropy` plus its reduction; when the logits come straight from a linear layer (an
+LM head, an output projection, a tied embedding) and nothing else reads them, the linear joins the
+loss in `seqfast::linear_cross_entropy`, which never builds the full logits.
+
+An upcast of the logits to float32 before the loss is absorbed: the kernels read the logits in
+their own dtype and compute in float32 either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx import Node
+
+from seqcompile.fx_utils import (
+    arg,
+    erase_unused,
+    insert_getitem,
+    is_call,
+    only_user,
+    site_name,
+    tensor_val,
+)
+from seqcompile.ops import cross_entropy as ce_op
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.report import Missed
+
+aten = torch.ops.aten
+FAMILY = "loss"
+_NONE, _MEAN, _SUM = 0, 1, 2
+_HALF = (torch.float16, torch.bfloat16)
+_ROW_VIEWS = (
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.contiguous.default,
+)
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default)
+_AUTOCAST_SWITCHES = (
+    torch.amp.autocast_mode._enter_autocast,
+    torch.amp.autocast_mode._exit_autocast,
+)
+
+
+@dataclasses.dataclass
+class Loss:
+    node: Node
+    logits: Node
+    """What the kernels read: the loss's input with an upcast stripped."""
+    target: Node
+    reduction: int
+    ignore_index: int
+    smoothing: float
+    absorbed: list[Node]
+    """Nodes between `logits` and the loss that the fused op replaces (the upcast)."""
+
+
+@dataclasses.dataclass
+class Linear:
+    node: Node
+    hidden: Node
+    weight: Node
+    bias: Node | None
+    views: list[Node]
+    """Reshapes from the linear's output to the (rows, classes) logits."""
+
+
+def _read_loss(node: Node) -> Loss | Reject | None:
+    if not is_call(node, aten.cross_entropy_loss.default):
+        return None
+    x, target = node.args[0], node.args[1]
+    weight = arg(node, 2, "weight")
+    reduction, ignore_index = arg(node, 3, "reduction", _MEAN), arg(node, 4, "ignore_index", -100)
+    smoothing = float(arg(node, 5, "label_smoothing", 0.0))
+    xv, tv = tensor_val(x), tensor_val(target)
+    if weight is not None:
+        return Reject("class weights are not supported by the fused cross-entropy")
+    if xv is None or xv.dim() != 2:
+        return Reject("logits of rank {} (the fused loss takes (tokens, classes))", xv.dim())
+    if tv is None or tv.dtype.is_floating_point or tv.dim() != 1:
+        return Reject("targets must be class indices of shape (tokens,); probabilities are not")
+    if xv.dtype not in (torch.float32, *_HALF):
+        return Reject("logits dtype {} is not supported (float32, float16, bfloat16)", xv.dtype)
+    if not 0.0 <= smoothing <= 1.0:
+        return Reject("label_smoothing {} is outside [0, 1]", smoothing)
+    logits, absorbed = x, []
+    source = x.args[0] if is_call(x, aten.to.dtype, aten._to_copy.default) else None
+    if source is not None and only_user(x) is node and tensor_val(source).dtype in _HALF:
+        logits, absorbed = source, [x]
+    return Loss(node, logits, target, reduction, ignore_index, smoothing, absorbed)
+
+
+def _read_linear(logits: Node) -> Linear | None:
+    """The linear that produced `logits` through reshapes that keep the rows in order."""
+    views, node = [], logits
+    while is_call(node, *_ROW_VIEWS):
+        views.append(node)
+        node = node.args[0]
+    if is_call(node, aten.linear.default):
+        hidden, weight, bias = node.args[0], node.args[1], arg(node, 2, "bias")
+    elif is_call(node, aten.matmul.default) and is_call(node.args[1], *_TRANSPOSES):
+        hidden, weight, bias = node.args[0], node.args[1].args[0], None
+    else:
+        return None
+    if tensor_val(weight).dim() != 2 or tensor_val(node).shape[-1] != tensor_val(logits).shape[-1]:
+        return None
+    return Linear(node, hidden, weight, bias, views)
+
+
+def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
+    """Why the linear feeding the loss cannot join it (None when it can)."""
+    chain = {loss.node, *loss.absorbed, *linear.views}
+    readers = [u for n in (linear.node, *linear.views) for u in n.users if u not in chain]
+    if readers:
+        names = ", ".join(sorted(r.name for r in readers))
+        return f"the logits are read elsewhere ({names}), so they are built"
+    if loss.reduction == _NONE:
+        return "reduction 'none' needs per-token gradients, so the logits are built"
+    if not _only_autocast_between(linear.node, loss.node):
+        return "grad mode or an in-place op changes between the linear and the loss"
+    return None
+
+
+def _only_autocast_between(first: Node, last: Node) -> bool:
+    node = first.next
+    while node is not last:
+        if node.op == "call_function" and node.target not in _AUTOCAST_SWITCHES:
+            schema = getattr(node.target, "_schema", None)
+            if node.target is torch._C._set_grad_enabled or (schema and schema.is_mutable):
+                return False
+        node = node.next
+    return True
+
+
+def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
+    if loss.reduction == _NONE:
+        return rows
+    total = ctx.call(aten.sum.default, rows)
+    if loss.reduction == _SUM:
+        return total
+    kept = ctx.call(aten.ne.Scalar, loss.target, loss.ignore_index)
+    return ctx.call(aten.div.Tensor, total, ctx.call(aten.sum.default, kept))
+
+
+def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
+    def apply(ctx: FuseContext) -> Node:
+        out_dtype = tensor_val(loss.node).dtype
+        if linear is None:
+            fused = ctx.call(
+                torch.ops.seqfast.cross_entropy.default,
+                loss.logits, loss.target, loss.ignore_index, loss.smoothing,
+            )  # fmt: skip
+            result = _reduce(ctx, loss, insert_getitem(ctx.gm.graph, fused, 0))
+            specs = [ce_op.spec("forward")] + ([ce_op.spec("backward")] if ctx.training else [])
+        else:
+            width = tensor_val(linear.hidden).shape[-1]
+            hidden = ctx.call(aten.reshape.default, linear.hidden, [-1, width])
+            needs = [ctx.requires_grad(n) for n in (linear.hidden, linear.weight, linear.bias)]
+            fused = ctx.call(
+                torch.ops.seqfast.linear_cross_entropy.default,
+                hidden, linear.weight, linear.bias, loss.target, loss.ignore_index,
+                loss.smoothing, loss.reduction == _MEAN, ctx.options.loss_chunk,
+                tensor_val(linear.node).dtype, needs,
+            )  # fmt: skip
+            result = insert_getitem(ctx.gm.graph, fused, 0)
+            specs = [ce_op.spec("forward_grad")]
+        if tensor_val(result).dtype != out_dtype:
+            result = ctx.call(aten.to.dtype, result, out_dtype)
+        loss.node.replace_all_uses_with(result)
+        replaced = [loss.node, *loss.absorbed]
+        if linear is not None:
+            replaced += [*linear.views, linear.node]
+            if is_call(linear.node, aten.matmul.default):
+                replaced.append(linear.node.args[1])
+        erase_unused(replaced)
+        ctx.kernels(specs, site_name(loss.node))
+        return fused
+
+    return apply
+
+
+class LossPattern:
+    family = FAMILY
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        loss = _read_loss(node)
+        if loss is None or isinstance(loss, Reject):
+            return loss
+        linear = _read_linear(loss.logits)
+        why = _why_logits_stay(loss, linear) if linear is not None else None
+        if why is not None:
+            ctx.report.missed.append(Missed(site_name(node), "linear_cross_entropy", why))
+            linear = None
+        return _rewrite(loss, linear)

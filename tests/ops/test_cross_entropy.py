@@ -1,0 +1,195 @@
+"""seqfast::cross_entropy and seqfast::linear_cross_entropy called directly: the kernels (Triton's
+interpreter) and the reference against eager PyTorch, forward and every gradient, on vocabularies
+that are not multiples of any block, with label smoothing, ignored and all-ignored rows, half
+precision, chunking and what the backward keeps."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
+import seqcompile.ops.linear_cross_entropy  # noqa: F401
+from seqcompile.ops.linear_cross_entropy import default_chunk
+
+IGNORE = -100
+REDUCTIONS = {"mean": True, "sum": False}
+
+
+def logits_and_targets(rows, vocab, *, seed=0, dtype=torch.float32, ignored=(1,)):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(dtype).requires_grad_()
+    target = torch.randint(vocab, (rows,), generator=g)
+    target[list(ignored)] = IGNORE
+    return logits, target
+
+
+def per_row(logits, target, smoothing):
+    return torch.ops.seqfast.cross_entropy(logits, target, IGNORE, smoothing)[0]
+
+
+def eager_rows(logits, target, smoothing):
+    return F.cross_entropy(
+        logits.float(), target, ignore_index=IGNORE, label_smoothing=smoothing, reduction="none"
+    )
+
+
+@pytest.mark.parametrize("vocab", [97, 1000, 50257])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_rows_and_gradient_match_eager(impl, vocab, smoothing):
+    logits, target = logits_and_targets(3, vocab)
+    cotangent = torch.randn(3, generator=torch.Generator().manual_seed(1))
+    loss = per_row(logits, target, smoothing)
+    expected = eager_rows(logits, target, smoothing)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, logits, cotangent)
+    (eager_grad,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager_grad)
+    assert loss[1] == 0 and not grad[1].any()  # the ignored row
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_logits_compute_in_float32(impl, dtype):
+    logits, target = logits_and_targets(4, 300, dtype=dtype)
+    loss = per_row(logits, target, 0.1)
+    expected = eager_rows(logits, target, 0.1)  # eager upcasts, as the fused loss absorbs
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    (eager_grad,) = torch.autograd.grad(expected.sum(), logits)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, eager_grad)
+
+
+def test_strided_rows_and_a_broadcast_incoming_gradient(impl):
+    wide, target = logits_and_targets(4, 130)
+    logits = wide[:, 10:110]  # rows 130 apart
+    target = target.clamp(max=99)
+    target[1] = IGNORE
+    loss = per_row(logits, target, 0.0)
+    torch.testing.assert_close(loss, eager_rows(logits, target, 0.0))
+    (grad,) = torch.autograd.grad(loss.sum(), wide)  # sum's backward: an expanded scalar
+    (eager_grad,) = torch.autograd.grad(eager_rows(logits, target, 0.0).sum(), wide)
+    torch.testing.assert_close(grad, eager_grad)
+
+
+def test_all_ignored_rows_give_zero_loss_and_zero_gradient(impl):
+    logits, target = logits_and_targets(3, 50, ignored=(0, 1, 2))
+    loss = per_row(logits, target, 0.2)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    assert not loss.any() and not grad.any()
+
+
+def test_a_target_out_of_range_is_an_error(impl):
+    logits, target = logits_and_targets(3, 50)
+    target[0] = 50
+    with pytest.raises(IndexError, match=r"outside \[0, 50\)"):
+        per_row(logits, target, 0.0)
+
+
+def test_the_backward_keeps_logits_targets_and_lse_only():
+    logits, target = logits_and_targets(3, 50)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):
+        per_row(logits, target, 0.0)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == [(3,), (3,), (3, 50)]  # target, lse, logits: no softmax, no log-probs
+
+
+# --------------------------------------------------------------------------------------------
+# linear + cross-entropy
+
+
+def linear_inputs(rows, width, vocab, *, bias, seed=0, ignored=(2, 5)):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=g).requires_grad_()
+    weight = (torch.randn(vocab, width, generator=g) / math.sqrt(width)).requires_grad_()
+    b = torch.randn(vocab, generator=g).requires_grad_() if bias else None
+    target = torch.randint(vocab, (rows,), generator=g)
+    target[list(ignored)] = IGNORE
+    return hidden, weight, b, target
+
+
+def fused_linear_loss(hidden, weight, bias, target, *, smoothing=0.0, mean=True, chunk=0,
+                      compute_dtype=torch.float32):  # fmt: skip
+    needs = [hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    return torch.ops.seqfast.linear_cross_entropy(
+        hidden, weight, bias, target, IGNORE, smoothing, mean, chunk, compute_dtype, needs
+    )[0]
+
+
+def eager_linear_loss(hidden, weight, bias, target, *, smoothing=0.0, mean=True):
+    logits = F.linear(hidden, weight, bias)
+    return F.cross_entropy(
+        logits.float(), target, ignore_index=IGNORE, label_smoothing=smoothing,
+        reduction="mean" if mean else "sum",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", [97, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", sorted(REDUCTIONS))
+def test_linear_loss_and_every_gradient_match_eager(impl, vocab, bias, reduction):
+    inputs = linear_inputs(10, 16, vocab, bias=bias)
+    options = dict(smoothing=0.1, mean=REDUCTIONS[reduction])
+    # the backward scales by the incoming gradient: a scaled loss, as for gradient accumulation
+    loss = 0.25 * fused_linear_loss(*inputs, chunk=3, **options)
+    expected = 0.25 * eager_linear_loss(*inputs, **options)
+    torch.testing.assert_close(loss, expected)
+    wrt = [t for t in inputs[:3] if t is not None]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+
+
+def test_chunked_equals_unchunked(impl):
+    inputs = linear_inputs(12, 8, 97, bias=True)
+    wrt = [t for t in inputs[:3] if t is not None]
+    results = []
+    for chunk in (1, 5, 12):
+        loss = fused_linear_loss(*inputs, chunk=chunk, smoothing=0.05)
+        results.append([loss, *torch.autograd.grad(loss, wrt)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_all_ignored_tokens(impl):
+    hidden, weight, _, target = linear_inputs(4, 8, 50, bias=False, ignored=(0, 1, 2, 3))
+    total = fused_linear_loss(hidden, weight, None, target, mean=False)
+    grads = torch.autograd.grad(total, [hidden, weight])
+    assert total == 0 and not any(g.any() for g in grads)
+    mean = fused_linear_loss(hidden, weight, None, target, mean=True)
+    assert torch.isnan(mean) and torch.isnan(eager_linear_loss(hidden, weight, None, target))
+
+
+def test_only_the_gradients_asked_for_are_computed(impl):
+    hidden, weight, _, target = linear_inputs(6, 8, 40, bias=False)
+    frozen = weight.detach()
+    loss = fused_linear_loss(hidden, frozen, None, target)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    (expected,) = torch.autograd.grad(eager_linear_loss(hidden, frozen, None, target), hidden)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_half_compute_dtype_matches_autocast():
+    hidden, weight, bias, target = linear_inputs(8, 16, 97, bias=True)
+    loss = fused_linear_loss(hidden, weight, bias, target, compute_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden, weight, bias)
+    expected = F.cross_entropy(logits.float(), target, ignore_index=IGNORE)
+    torch.testing.assert_close(loss, expected)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_default_chunk_is_at_most_an_eighth_of_the_tokens():
+    for rows in (1, 7, 8, 100, 1000, 4096, 8192 + 5, 32768):
+        chunk = default_chunk(rows)
+        assert 1 <= chunk <= max(1, rows // 8)
+    assert default_chunk(8192) == 1024
