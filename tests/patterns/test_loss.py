@@ -117,6 +117,22 @@ def test_a_linear_feeding_the_loss_joins_it(bias, transposed):
     assert modes(report) == ["forward_grad"]
 
 
+def test_an_upcast_before_the_reshape_is_absorbed_too():
+    """Hugging Face's order on a bf16 model: `logits.float()`, then `view(-1, vocab)`."""
+    torch.manual_seed(0)
+    proj = nn.Linear(WIDTH, VOCAB).to(torch.bfloat16)
+
+    def loss(hidden, target):
+        return F.cross_entropy(proj(hidden).float().view(-1, VOCAB), target.view(-1))
+
+    hidden, target = head_inputs()
+    hidden = hidden.detach().to(torch.bfloat16).requires_grad_()
+    with collecting() as report:
+        got = torch.compile(loss, backend="seqfast")(hidden, target)
+    assert modes(report) == ["forward_grad"], str(report)
+    torch.testing.assert_close(got, loss(hidden, target))
+
+
 def test_logits_read_elsewhere_are_built_and_the_report_says_why():
     torch.manual_seed(0)
     report = check_fusion(
@@ -125,27 +141,27 @@ def test_logits_read_elsewhere_are_built_and_the_report_says_why():
     assert modes(report) == ["backward", "forward"]
 
 
-def test_the_linear_joins_under_autocast():
+@pytest.mark.xfail(
+    strict=True,
+    reason="capture retraces Dynamo's graph without entering its autocast region: the linear's"
+    " fake value is float32, so the fused op computes the logits in float32, not bfloat16",
+)
+def test_the_linear_joins_under_autocast_in_its_dtype(tmp_path):
     torch.manual_seed(0)
     head = Head(bias=True)
 
-    def step(module, hidden, target):
+    def step(hidden, target):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = module.proj(hidden)
+            logits = head.proj(hidden)
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
-    compiled = torch.compile(lambda h, t: step(head, h, t), backend="seqfast")
+    options = {"dump_dir": str(tmp_path)}
     with collecting() as report:
-        hidden, target = head_inputs()
-        loss = compiled(hidden, target)
+        torch.compile(step, backend="seqfast", options=options)(*head_inputs())
     assert modes(report) == ["forward_grad"]
-    grads = torch.autograd.grad(loss, [hidden, head.proj.weight, head.proj.bias])
-    hidden2 = hidden.detach().requires_grad_()
-    expected = step(head, hidden2, target)
-    eager = torch.autograd.grad(expected, [hidden2, head.proj.weight, head.proj.bias])
-    torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
-    for got, want in zip(grads, eager, strict=True):
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
+    forward = next(tmp_path.glob("*/*_lower_forward.py")).read_text()
+    (call,) = [line for line in forward.splitlines() if "seqfast.linear_cross_entropy" in line]
+    assert "torch.bfloat16" in call
 
 
 def test_a_bad_chunk_option_is_a_clear_error():
