@@ -86,7 +86,7 @@ def linear_cross_entropy(
         if want_w:
             _accumulate(dw, logits.t(), h[rows])
         if want_b:
-            db += logits.float().sum(0)
+            db += logits.sum(0, dtype=torch.float32)
     loss = total * scale if mean else total
     dbias_dtype = bias.dtype if bias is not None else torch.float32
     return loss, dh, dw.to(weight.dtype), db.to(dbias_dtype)

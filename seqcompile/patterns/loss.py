@@ -18,6 +18,7 @@ from seqcompile.fx_utils import (
     arg,
     erase_unused,
     insert_getitem,
+    is_barrier,
     is_call,
     only_user,
     site_name,
@@ -125,12 +126,12 @@ def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
 
 
 def _only_autocast_between(first: Node, last: Node) -> bool:
+    """No barrier but autocast switches lies between: the fused op names its compute dtype, so
+    it may move out of an autocast region, not across a grad-mode change or a mutation."""
     node = first.next
     while node is not last:
-        if node.op == "call_function" and node.target not in _AUTOCAST_SWITCHES:
-            schema = getattr(node.target, "_schema", None)
-            if node.target is torch._C._set_grad_enabled or (schema and schema.is_mutable):
-                return False
+        if is_barrier(node) and node.target not in _AUTOCAST_SWITCHES:
+            return False
         node = node.next
     return True
 
