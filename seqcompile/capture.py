@@ -13,6 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from seqcompile import autocast
+
 
 def fake_inputs(example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list[Any]]:
     """Dynamo's fake mode and the example inputs converted into it (symbolic sizes reused)."""
@@ -26,14 +28,30 @@ def fake_inputs(example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list[Any
 def trace_pre_dispatch(
     gm: GraphModule, fake_mode: FakeTensorMode, inputs: list[Any]
 ) -> GraphModule:
-    """Retrace `gm` at pre-dispatch ATen level. Running it through an Interpreter under
-    `preserve_node_meta` carries each node's source location and module path to the new nodes."""
+    """Retrace `gm` at pre-dispatch ATen level, then write its autocast regions' casts into it.
+    Running it through an Interpreter under `preserve_node_meta` carries each node's source
+    location and module path to the new nodes."""
 
     def run(*args: Any) -> Any:
-        return torch.fx.Interpreter(gm).run(*args)
+        return _AutocastInterpreter(gm).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, pre_dispatch=True)(*inputs)
+        traced = make_fx(run, pre_dispatch=True)(*inputs)
+    autocast.make_autocast_explicit(traced, fake_mode)
+    return traced
+
+
+class _AutocastInterpreter(torch.fx.Interpreter):
+    """Runs Dynamo's graph with its autocast regions really entered, so the ops traced inside
+    record autocast's dtypes (replaying `_enter_autocast` under pre-dispatch tracing only
+    records it)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is autocast.ENTER:
+            return autocast.enter_for_trace(args)
+        if target is autocast.EXIT:
+            return args[0].__exit__(None, None, None)
+        return super().call_function(target, args, kwargs)
 
 
 def trace_function(fn: Any, example_inputs: Sequence[Any], what: str) -> GraphModule:
