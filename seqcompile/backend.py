@@ -30,6 +30,7 @@ import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.poin
 from seqcompile import capture as capture_mod
 from seqcompile.codegen import prepare_kernel
 from seqcompile.memory import estimate
+from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.partition import choose_partitioner, partition
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -146,8 +147,8 @@ def plan_memory(
     num_fwd_outputs: int,
     **kwargs: Any,
 ) -> tuple[GraphModule, GraphModule]:
-    """Stage 5: split the joint graph; fold gradient sums into region backwards; record what the
-    forward keeps for the backward."""
+    """Stage 5: split the joint graph; fold gradient sums into region backwards; let backward ops
+    write over saved tensors only they read; record what the forward keeps for the backward."""
     state.dump("differentiate_joint", joint)
     strategy = choose_partitioner(state.options.partition, state.rest)
     forward, backward = partition(
@@ -155,10 +156,13 @@ def plan_memory(
     )
     for spec in fold_gradient_sums(backward):
         state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
+    written_over = (
+        write_over_saved(forward, backward, num_fwd_outputs) if state.options.reuse_saved else 0
+    )
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
-    state.report.memory.append(MemoryPlan(state.name, strategy, count, total, fused))
+    state.report.memory.append(MemoryPlan(state.name, strategy, count, total, fused, written_over))
     return forward, backward
 
 

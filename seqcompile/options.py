@@ -83,6 +83,10 @@ class Options:
     loss_chunk: int = 0
     """Tokens per chunk of the fused linear + cross-entropy (its extra memory is one chunk of
     logits); 0 picks an eighth of the tokens."""
+    reuse_saved: bool = True
+    """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
+    over the logits). A second backward through the same graph (`retain_graph=True`) then fails
+    with autograd's "modified by an inplace operation" error; False keeps saved tensors intact."""
 
     @classmethod
     def resolve(
@@ -114,5 +118,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "partition": _parse_choice(PARTITION_CHOICES, allow_none=False),
     "log": _parse_choice(LOG_CHOICES, allow_none=True),
     "loss_chunk": _parse_count,
+    "reuse_saved": _parse_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

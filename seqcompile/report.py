@@ -31,6 +31,9 @@ class MemoryPlan:
     saved_bytes: int
     fused_op_bytes: int
     """Part of `saved_bytes` produced by fused operators (their sums and row statistics)."""
+    written_over_bytes: int = 0
+    """Bytes the backward writes its results over (saved tensors it reads last) instead of
+    allocating them."""
 
 
 @dataclasses.dataclass
@@ -68,6 +71,11 @@ class CompileReport:
         lines += [
             f"  {m.graph}: {m.saved_tensors} tensors, {_size(m.saved_bytes)}"
             f" ({_size(m.fused_op_bytes)} from fused ops), partitioner {m.partitioner}"
+            + (
+                f"; {_size(m.written_over_bytes)} reused by the backward"
+                if m.written_over_bytes
+                else ""
+            )
             for m in self.memory
         ] or ["  (no training graph)"]
         return "\n".join(lines) + "\n"

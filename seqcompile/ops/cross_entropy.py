@@ -6,8 +6,10 @@
 returns each row's loss and log-sum-exp in float32, reading the logits in their own dtype (an
 upcast to float32 before the loss costs nothing). The backward saves the logits, the targets and
 the log-sum-exp, never a softmax or log-probability matrix, and writes the gradient of the logits
-in one pass. Reductions stay outside, in the graph: `sum`, or `sum / count` with the count of
-non-ignored targets computed on the device.
+in one pass, over the saved logits themselves when the backward reads them nowhere else
+(`cross_entropy_backward_in_place`, swapped in by `memory/in_place.py`). Reductions stay
+outside, in the graph: `sum`, or `sum / count` with the count of non-ignored targets computed on
+the device.
 """
 
 from __future__ import annotations
@@ -144,24 +146,45 @@ def _(logits, target, ignore_index, smoothing):
     return logits.new_empty((m,), dtype=torch.float32), logits.new_empty((m,), dtype=torch.float32)
 
 
+def _logits_grad(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, out: Tensor, ignore_index, smoothing
+) -> None:
+    """Write the gradient of the logits into `out` (contiguous; it may be `logits` itself: each
+    element is read before it is written, by the program that writes it)."""
+    if not runtime.use_kernels(logits):
+        out.copy_(reference_grad(logits, target, lse, grad, ignore_index, smoothing))
+        return
+    _launch(
+        "backward", rows(logits), target, lse, grad, out,
+        ignore_index=ignore_index, smoothing=smoothing,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("seqfast::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(
     grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, smoothing: float
 ) -> Tensor:
     """The gradient of the logits, in their dtype, for incoming per-row gradients `grad`."""
-    if not runtime.use_kernels(logits):
-        return reference_grad(logits, target, lse, grad, ignore_index, smoothing)
     dlogits = runtime.empty(tuple(logits.shape), logits.dtype, logits.device)
-    _launch(
-        "backward", rows(logits), target, lse, grad, dlogits,
-        ignore_index=ignore_index, smoothing=smoothing,
-    )  # fmt: skip
+    _logits_grad(grad, logits, target, lse, dlogits, ignore_index, smoothing)
     return dlogits
 
 
 @cross_entropy_backward.register_fake
 def _(grad, logits, target, lse, ignore_index, smoothing):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("seqfast::cross_entropy_backward_in_place", mutates_args=("logits",))
+def cross_entropy_backward_in_place(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, smoothing: float
+) -> None:
+    """`cross_entropy_backward` written over the logits, for a backward that reads them last.
+    Logits whose rows are not contiguous get the gradient through a temporary."""
+    if logits.is_contiguous():
+        _logits_grad(grad, logits, target, lse, logits, ignore_index, smoothing)
+    else:
+        logits.copy_(cross_entropy_backward(grad, logits, target, lse, ignore_index, smoothing))
 
 
 def _setup_context(ctx, inputs, output):

@@ -80,6 +80,19 @@ def test_all_ignored_rows_give_zero_loss_and_zero_gradient(impl):
     assert not loss.any() and not grad.any()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
+    logits, target = logits_and_targets(5, 97, dtype=torch.bfloat16)
+    logits = logits.detach()
+    _, lse = torch.ops.seqfast.cross_entropy(logits, target, IGNORE, 0.1)
+    grad = torch.randn(5, generator=torch.Generator().manual_seed(2))
+    expected = torch.ops.seqfast.cross_entropy_backward(grad, logits, target, lse, IGNORE, 0.1)
+    over = logits.clone() if layout == "contiguous" else logits.t().contiguous().t()
+    torch.ops.seqfast.cross_entropy_backward_in_place(grad, over, target, lse, IGNORE, 0.1)
+    assert over.dtype == torch.bfloat16
+    torch.testing.assert_close(over, expected, rtol=0, atol=0)
+
+
 def test_a_target_out_of_range_is_an_error(impl):
     logits, target = logits_and_targets(3, 50)
     target[0] = 50

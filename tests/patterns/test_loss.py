@@ -144,14 +144,15 @@ def test_logits_read_elsewhere_are_built_and_the_report_says_why():
 class AutocastHead(Head):
     """The head computed in an autocast region inside the compiled code, the loss outside it."""
 
-    def __init__(self, dtype):
-        super().__init__(bias=True)
+    def __init__(self, dtype, return_logits=False):
+        super().__init__(bias=True, return_logits=return_logits)
         self.dtype = dtype
 
     def forward(self, hidden, target):
         with torch.autocast("cpu", dtype=self.dtype):
             logits = self.proj(hidden)
-        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        return (loss, logits) if self.return_logits else loss
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -168,6 +169,18 @@ def test_the_linear_joins_under_autocast_in_its_dtype(dtype, tmp_path):
     forward = next(tmp_path.glob("*/*_lower_forward.py")).read_text()
     (call,) = [line for line in forward.splitlines() if "seqfast.linear_cross_entropy" in line]
     assert str(dtype) in call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_logits_from_autocast_that_are_returned_fuse_the_loss_alone(dtype):
+    report = check_fusion(
+        AutocastHead(dtype, return_logits=True),
+        head_inputs(),
+        counts={"loss": 1},
+        missed=["read elsewhere"],
+        dtype=dtype,
+    )
+    assert modes(report) == ["backward", "forward"]
 
 
 def test_a_bad_chunk_option_is_a_clear_error():

@@ -1,0 +1,90 @@
+"""Backward ops that write their result over a saved tensor the backward reads nowhere else.
+
+The cross-entropy backward's gradient has the logits' shape and dtype, and the logits are read by
+nothing after it: writing the gradient over them saves a tokens x vocabulary buffer at the step's
+peak. The swap is safe only when no one else can see the saved tensor: it is computed by the
+forward (not a graph input such as a parameter or the user's own tensor) and shares its storage
+with no output the user gets and no other saved value. Autograd's version check on saved tensors
+then turns a second backward through the same graph (`retain_graph=True`) into autograd's usual
+"modified by an inplace operation" error rather than a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops below)
+from seqcompile.fx_utils import tensor_val
+from seqcompile.memory.estimate import saved_values, tensor_bytes
+
+IN_PLACE = {
+    torch.ops.seqfast.cross_entropy_backward.default: (
+        torch.ops.seqfast.cross_entropy_backward_in_place.default,
+        1,
+    ),
+}
+"""A functional backward op -> (its twin writing over one argument, that argument's index)."""
+
+
+def write_over_saved(forward: GraphModule, backward: GraphModule, num_fwd_outputs: int) -> int:
+    """Swap in the in-place twin wherever its argument is a saved tensor only it may touch;
+    returns the bytes written over instead of allocated (at the traced sizes)."""
+    private = _private_saved(forward, num_fwd_outputs)
+    swapped = 0
+    for node in list(backward.graph.nodes):
+        if node.op != "call_function" or node.target not in IN_PLACE:
+            continue
+        twin, index = IN_PLACE[node.target]
+        over = node.args[index]
+        if not (
+            isinstance(over, Node)
+            and over.op == "placeholder"
+            and over.name in private
+            and list(over.users) == [node]
+            and _same_layout(over, node)
+        ):
+            continue
+        with backward.graph.inserting_before(node):
+            call = backward.graph.call_function(twin, node.args, node.kwargs)
+        call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        call.meta["val"] = None
+        node.replace_all_uses_with(over)
+        backward.graph.erase_node(node)
+        swapped += tensor_bytes(tensor_val(over))
+    if swapped:
+        backward.graph.lint()
+        backward.recompile()
+    return swapped
+
+
+def _private_saved(forward: GraphModule, num_fwd_outputs: int) -> set[str]:
+    """Names of the saved values computed by the forward whose storage nothing else shares: no
+    graph input, no user-visible output, no other saved value."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    visible = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    visible += [n for n in output.args[0][:num_fwd_outputs] if isinstance(n, Node)]
+    saved = [n for n in saved_values(forward, num_fwd_outputs) if tensor_val(n) is not None]
+    owners: dict[StorageWeakRef, int] = {}
+    for node in visible + saved:
+        if (value := tensor_val(node)) is not None:
+            key = StorageWeakRef(value.untyped_storage())
+            owners[key] = owners.get(key, 0) + 1
+    return {
+        node.name
+        for node in saved
+        if node.op != "placeholder"
+        and owners[StorageWeakRef(tensor_val(node).untyped_storage())] == 1
+    }
+
+
+def _same_layout(saved: Node, call: Node) -> bool:
+    """The result the op would allocate has the saved tensor's shape and dtype."""
+    result, value = tensor_val(call), tensor_val(saved)
+    return (
+        result is not None
+        and value is not None
+        and result.dtype == value.dtype
+        and result.shape == value.shape
+    )
