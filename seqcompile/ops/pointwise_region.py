@@ -98,9 +98,8 @@ def lookup(key: str) -> Region:
         ) from None
 
 
-def _stand_in(mode: FakeTensorMode, dtype: torch.dtype, requires_grad: bool = False):
-    with mode:
-        return torch.empty(_STAND_IN, dtype=dtype, requires_grad=requires_grad)
+StandIn = tuple[torch.dtype, bool]
+"""A traced input: its dtype and whether it requires grad."""
 
 
 def _clean(gm: GraphModule) -> GraphModule:
@@ -114,15 +113,19 @@ def _clean(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def _trace(fn, inputs: Sequence[torch.Tensor], mode: FakeTensorMode) -> GraphModule:
-    """Trace in a thread of its own: the caller may be inside an autograd.Function forward (autograd
-    keys excluded, grad off) or inside another trace (modes on its stack), all thread-local."""
+def _trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
+    """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own: the caller may be inside
+    an autograd.Function forward (autograd keys excluded, grad off) or inside another trace (its
+    modes, functionalization's included, would wrap stand-ins made here), all thread-local."""
 
     def trace() -> GraphModule:
-        with mode, torch.enable_grad():
-            traced = make_fx(fn)(*inputs)
+        with FakeTensorMode(), torch.enable_grad():
+            stand_ins = [
+                torch.empty(_STAND_IN, dtype=dtype, requires_grad=grad) for dtype, grad in inputs
+            ]
+            traced = make_fx(fn)(*stand_ins)
             # autograd's formulas may write in place (clamp's mask): retrace without mutations
-            plain = [t.detach() for t in inputs]
+            plain = [t.detach() for t in stand_ins]
             return _clean(make_fx(functionalize(traced, remove="mutations_and_views"))(*plain))
 
     try:
@@ -139,12 +142,9 @@ def register(
     dropout_p: Sequence[float],
 ) -> Region:
     """Trace `graph` (placeholders: inputs, then keep-masks; output: a list) and register it."""
-    mode = FakeTensorMode()
     module = GraphModule(torch.nn.Module(), graph)
-    inputs = [_stand_in(mode, d) for d in input_dtypes] + [
-        _stand_in(mode, torch.bool) for _ in dropout_p
-    ]
-    forward = _trace(module, inputs, mode)
+    inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
+    forward = _trace(module, inputs)
     text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     region = _registry.get(key)
@@ -186,16 +186,13 @@ def backward_plan(
         input_grads = torch.autograd.grad(chosen, wrt, present, allow_unused=True)
         return [*input_grads, *(g for g, w in zip(grads, written, strict=True) if w)]
 
-    mode = FakeTensorMode()
     inputs = [
-        _stand_in(mode, d, need and d.is_floating_point)
+        (d, need and d.is_floating_point)
         for d, need in zip(region.input_dtypes, needs_grad, strict=True)
     ]
-    masks = [_stand_in(mode, torch.bool) for _ in range(num_masks)]
-    terms = [
-        _stand_in(mode, d) for d, n in zip(out_dtypes, grad_terms, strict=True) for _ in range(n)
-    ]
-    graph = _trace(joint, (*inputs, *masks, *terms), mode)
+    masks = [(torch.bool, False)] * num_masks
+    terms = [(d, False) for d, n in zip(out_dtypes, grad_terms, strict=True) for _ in range(n)]
+    graph = _trace(joint, (*inputs, *masks, *terms))
 
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     term_placeholders = placeholders[region.num_inputs + num_masks :]

@@ -183,6 +183,19 @@ def test_half_logits_from_autocast_that_are_returned_fuse_the_loss_alone(dtype):
     assert modes(report) == ["backward", "forward"]
 
 
+def test_a_grad_mode_switch_between_the_linear_and_the_loss_keeps_them_apart():
+    head = Head()
+
+    def loss(hidden, target):
+        logits = head.proj(hidden)
+        with torch.no_grad():
+            weight = hidden.detach().norm()
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100) * weight
+
+    report = check_fusion(loss, head_inputs(), counts={"loss": 1}, missed=["grad mode"])
+    assert modes(report) == ["backward", "forward"]
+
+
 def test_a_bad_chunk_option_is_a_clear_error():
     with pytest.raises(OptionError, match="loss_chunk"):
         torch.compile(Head(), backend="seqfast", options={"loss_chunk": -1})(*head_inputs())

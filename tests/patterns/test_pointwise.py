@@ -87,6 +87,19 @@ def test_a_value_used_inside_and_outside_is_an_output():
     check_fusion(fn, [leaf(4, 6), leaf(6, seed=1)], counts={"pointwise": 1})
 
 
+def test_a_region_reading_a_value_made_under_no_grad():
+    """The backward is planned, inside AOTAutograd's trace, for fewer inputs than the fuser
+    planned it for."""
+
+    def fn(x, y):
+        total = x.sum()
+        with torch.no_grad():
+            weight = y.norm()
+        return (total / 3.0) * weight
+
+    check_fusion(fn, [leaf(5), leaf(5, seed=1)], counts={"pointwise": 1})
+
+
 def test_masks_over_middle_dims_and_row_scalars():
     def fn(x, mask, scale):
         return torch.where(mask, F.relu(x) * scale, -x).exp()
