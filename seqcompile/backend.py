@@ -39,7 +39,7 @@ from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
-from seqcompile.report import CompileReport, MemoryPlan, publish
+from seqcompile.report import CompileReport, MemoryPlan, Missed, publish
 
 log = logging.getLogger("seqcompile")
 _graph_ids = itertools.count()
@@ -90,7 +90,10 @@ class GraphCompile:
 def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:
     """Stage 1: pre-dispatch ATen under Dynamo's fake mode, symbolic sizes kept."""
     state.fake_mode, state.fake_inputs = capture_mod.fake_inputs(state.example_inputs)
-    return capture_mod.trace_pre_dispatch(gm, state.fake_mode, state.fake_inputs)
+    traced = capture_mod.trace_pre_dispatch(gm, state.fake_mode, state.fake_inputs)
+    for note in traced.meta.pop("capture_notes"):
+        state.report.missed.append(Missed(state.name, "checkpoint", note))
+    return traced
 
 
 def normalize(gm: GraphModule, state: GraphCompile) -> GraphModule:
@@ -149,6 +152,7 @@ def plan_memory(
 ) -> tuple[GraphModule, GraphModule]:
     """Stage 5: split the joint graph; fold gradient sums into region backwards; let backward ops
     write over saved tensors only they read; record what the forward keeps for the backward."""
+    joint = _executor_joint_passes(joint, state)
     state.dump("differentiate_joint", joint)
     strategy = choose_partitioner(state.options.partition, state.rest)
     forward, backward = partition(
@@ -171,6 +175,8 @@ def lower(
 ) -> Callable[..., Any]:
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
     rest runs on the chosen executor."""
+    if kind == "inference":
+        gm = _executor_joint_passes(gm, state)
     state.dump(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
@@ -183,6 +189,19 @@ def lower(
             state.dump(f"lower_{kind}_inductor_code", source)
         return compiled
     return make_boxed_func(gm.forward)
+
+
+def _executor_joint_passes(gm: GraphModule, state: GraphCompile) -> GraphModule:
+    """Inductor lowers a forward or backward graph only after its passes over the joint graph
+    (random ops, for one, become its own seeded ops); they run here, where Inductor's own
+    partitioner would run them."""
+    if state.rest != "inductor":
+        return gm
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(state.fake_mode):
+        return joint_graph_passes(gm) or gm
 
 
 STAGES = (capture, normalize, fuse)

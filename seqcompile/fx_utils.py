@@ -72,9 +72,13 @@ def insert_call(
     return node
 
 
+_SOURCE_META = ("stack_trace", "nn_module_stack", "recompute", "ac_graph_id")
+
+
 def source_meta(node: Node) -> dict[str, Any]:
-    """The metadata that says where `node` came from: its source line and module path."""
-    return {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    """The metadata a replacement inherits from `node`: its source line, module path and
+    checkpoint tags (a node made for a checkpointed one is recomputed with it)."""
+    return {k: v for k, v in node.meta.items() if k in _SOURCE_META}
 
 
 def insert_getitem(graph: Graph, node: Node, index: int) -> Node:
