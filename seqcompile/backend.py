@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from functorch.compile import make_boxed_func
 from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
+from torch.fx.graph import _BoxedCodeGen
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 import seqcompile.ops.cross_entropy  # noqa: F401  (registers torch.ops.seqfast.cross_entropy)
@@ -31,6 +31,7 @@ from seqcompile import capture as capture_mod
 from seqcompile.codegen import prepare_kernel
 from seqcompile.memory import estimate
 from seqcompile.memory.in_place import write_over_saved
+from seqcompile.memory.liveness import step_memory
 from seqcompile.memory.partition import choose_partitioner, partition
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -166,7 +167,10 @@ def plan_memory(
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
-    state.report.memory.append(MemoryPlan(state.name, strategy, count, total, fused, written_over))
+    step = step_memory(forward, backward, num_fwd_outputs, _parameters(state))
+    state.report.memory.append(
+        MemoryPlan(state.name, strategy, count, total, fused, written_over, step)
+    )
     return forward, backward
 
 
@@ -188,7 +192,30 @@ def lower(
         if isinstance(source, str):
             state.dump(f"lower_{kind}_inductor_code", source)
         return compiled
-    return make_boxed_func(gm.forward)
+    return _boxed(gm)
+
+
+def _parameters(state: GraphCompile) -> set[str]:
+    """Names AOTAutograd gives the placeholders whose example inputs are parameters."""
+    return {
+        f"primals_{i}"
+        for i, t in enumerate(state.example_inputs, start=1)
+        if isinstance(t, torch.nn.Parameter)
+    }
+
+
+def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
+    """`gm` called the boxed way AOTAutograd prefers: it takes the list of inputs and empties it,
+    so each input (a saved activation, in a backward) is freed after its last use rather than at
+    the graph's end."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _executor_joint_passes(gm: GraphModule, state: GraphCompile) -> GraphModule:

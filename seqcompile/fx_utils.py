@@ -20,6 +20,14 @@ def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
+def concrete(size: int | torch.SymInt) -> int:
+    """A size at the value it had when traced (symbolic sizes included)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+
+
 def tensor_val(node: Any) -> torch.Tensor | None:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None

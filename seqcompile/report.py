@@ -8,8 +8,12 @@ import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from seqcompile.codegen import KernelSource
+
+if TYPE_CHECKING:
+    from seqcompile.memory.liveness import StepMemory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,8 @@ class MemoryPlan:
     written_over_bytes: int = 0
     """Bytes the backward writes its results over (saved tensors it reads last) instead of
     allocating them."""
+    step: StepMemory | None = None
+    """The step's live bytes over its forward-then-backward schedule."""
 
 
 @dataclasses.dataclass
@@ -67,18 +73,29 @@ class CompileReport:
         lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
         lines += ["", "generated kernels:"]
         lines += [f"  {k.name}  ({k.path})" for k in self.kernels] or ["  (none)"]
-        lines += ["", "memory kept for the backward (at traced sizes):"]
-        lines += [
-            f"  {m.graph}: {m.saved_tensors} tensors, {_size(m.saved_bytes)}"
-            f" ({_size(m.fused_op_bytes)} from fused ops), partitioner {m.partitioner}"
-            + (
-                f"; {_size(m.written_over_bytes)} reused by the backward"
-                if m.written_over_bytes
-                else ""
-            )
-            for m in self.memory
-        ] or ["  (no training graph)"]
+        lines += ["", "memory of the step (at traced sizes):"]
+        lines += [line for m in self.memory for line in _memory_lines(m)] or [
+            "  (no training graph)"
+        ]
         return "\n".join(lines) + "\n"
+
+
+def _memory_lines(m: MemoryPlan) -> list[str]:
+    kept = (
+        f"  {m.graph}: kept for the backward {m.saved_tensors} tensors, {_size(m.saved_bytes)}"
+        f" ({_size(m.fused_op_bytes)} from fused ops), partitioner {m.partitioner}"
+    )
+    if m.written_over_bytes:
+        kept += f"; {_size(m.written_over_bytes)} reused by the backward"
+    if m.step is None:
+        return [kept]
+    step = m.step
+    return [
+        kept,
+        f"    peak {_size(step.peak_bytes)} at {step.peak_node} (activations and gradients);"
+        f" parameters {_size(step.parameter_bytes)}, gradients {_size(step.gradient_bytes)},"
+        f" other inputs {_size(step.input_bytes)}",
+    ]
 
 
 def _size(n: int) -> str:

@@ -9,15 +9,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile.fx_utils import tensor_val
-
-
-def concrete(size: int | torch.SymInt) -> int:
-    """A symbolic size at the value it had when traced."""
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint
-    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+from seqcompile.fx_utils import concrete, tensor_val
 
 
 def tensor_bytes(value: torch.Tensor) -> int:

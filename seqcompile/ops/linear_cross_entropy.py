@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from seqcompile.fx_utils import concrete
 from seqcompile.ops import cross_entropy as ce
 
 Tensor = torch.Tensor
@@ -28,6 +29,24 @@ def default_chunk(rows: int) -> int:
     """An eighth of the tokens (at most), in multiples of 128 rows once there are that many."""
     chunk = max(1, rows // 8)
     return chunk - chunk % 128 if chunk >= 128 else chunk
+
+
+def workspace_bytes(
+    hidden, weight, bias, target, ignore_index, smoothing, mean, chunk, compute_dtype, needs_grad
+) -> int:
+    """Bytes the op allocates and frees while it runs, beyond its outputs, at the traced sizes (for
+    the memory model): copies of its inputs in `compute_dtype`, one chunk of logits and of
+    `dlogits @ weight`, and the float32 weight and bias gradients before their cast."""
+    m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    step = min(chunk if chunk > 0 else default_chunk(m), m)
+    total = step * (vocab + d) * size
+    total += m * d * size if hidden.dtype != compute_dtype else 0
+    total += vocab * d * size if weight.dtype != compute_dtype else 0
+    total += vocab * d * 4 if needs_grad[1] and weight.dtype != torch.float32 else 0
+    bias_dtype = bias.dtype if bias is not None else torch.float32
+    total += vocab * 4 if needs_grad[2] and bias_dtype != torch.float32 else 0
+    return total
 
 
 def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:

@@ -21,6 +21,7 @@ import triton
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
+from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.random import keep_mask
 
@@ -85,11 +86,6 @@ def _layout(walk: list[int], sizes: list[int]) -> Layout:
     return tuple(s != 0 for s in walk)
 
 
-def _hint(size) -> int:
-    """A concrete size: the value a symbolic size was traced with."""
-    return size if isinstance(size, int) else size.node.hint
-
-
 def _layouts(
     shape: Sequence[int], operands: Sequence[Tensor], outputs: int
 ) -> tuple[list[int], list[list[int]], tuple[Layout, ...]]:
@@ -104,7 +100,10 @@ def _layouts(
 def _at_hints(t: Tensor) -> Tensor:
     """A meta tensor with `t`'s sizes and strides at the values they were traced with."""
     return torch.empty_strided(
-        [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()], dtype=t.dtype, device="meta"
+        [concrete(s) for s in t.shape],
+        [concrete(s) for s in t.stride()],
+        dtype=t.dtype,
+        device="meta",
     )
 
 

@@ -1,0 +1,148 @@
+"""The live bytes of one training step over its forward-then-backward schedule, computed from the
+partitioned graphs' fake values at the traced sizes, before anything runs.
+
+Memory is counted by storage: a view costs nothing, a value is live from the node that creates its
+storage to the last node that reads it. What the forward returns (the values kept for the
+backward, the user's outputs) stays live into the backward; the backward's outputs (the
+gradients) stay live to its end. Graph inputs (parameters, the batch) live regardless and are
+counted apart. A fused operator's workspace is live while it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+from seqcompile.fx_utils import concrete, val
+from seqcompile.memory.estimate import saved_values
+from seqcompile.ops import linear_cross_entropy
+
+WORKSPACES: dict[Any, Callable[..., int]] = {
+    torch.ops.seqfast.linear_cross_entropy.default: linear_cross_entropy.workspace_bytes,
+}
+"""A fused op -> the bytes it allocates and frees while it runs, from its arguments' fake
+values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    kept_bytes: int
+    """What the forward computes and keeps for the backward."""
+    kept_input_bytes: int
+    """Graph inputs other than parameters that the backward reads (the batch, or activations
+    an earlier graph made): kept alive for the backward too."""
+    peak_bytes: int
+    """The most bytes live at once over the step, gradients made so far included, inputs not."""
+    peak_node: str
+    """The node running at the peak."""
+    parameter_bytes: int
+    input_bytes: int
+    """The other graph inputs: the batch, or what an earlier graph made."""
+    gradient_bytes: int
+    """What the backward returns: the inputs' gradients."""
+    timeline: tuple[int, ...]
+    """Live bytes after each node, the forward's then the backward's."""
+    forward_nodes: int
+    """How many of `timeline`'s entries belong to the forward."""
+
+
+def step_memory(
+    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, parameters: set[str]
+) -> StepMemory:
+    """The step's memory; `parameters` names the forward's placeholders that are parameters."""
+    forward_out = _output(forward)
+    inputs = {key: size for n in _placeholders(forward) for key, size in _storages(n)}
+    params = {
+        key: size
+        for n in _placeholders(forward)
+        if n.name in parameters
+        for key, size in _storages(n)
+    }
+    user = {key for n in forward_out[:num_fwd_outputs] for key, _ in _storages(n)}
+    kept = {
+        key: size
+        for n in saved_values(forward, num_fwd_outputs)
+        for key, size in _storages(n)
+        if key not in params and key not in user
+    }
+    live: dict[StorageWeakRef, int] = {}
+    held = {key for n in forward_out for key, _ in _storages(n)}
+    fwd = _walk(forward, inputs, held, live)
+    grads = {key: size for n in _output(backward) for key, size in _storages(n)}
+    bwd = _walk(backward, inputs, user | set(grads), live)
+    peak_bytes, peak_node = max(fwd.peak, bwd.peak)
+    return StepMemory(
+        kept_bytes=sum(size for key, size in kept.items() if key not in inputs),
+        kept_input_bytes=sum(size for key, size in kept.items() if key in inputs),
+        peak_bytes=peak_bytes,
+        peak_node=peak_node,
+        parameter_bytes=sum(params.values()),
+        input_bytes=sum(size for key, size in inputs.items() if key not in params),
+        gradient_bytes=sum(size for key, size in grads.items() if key not in inputs),
+        timeline=fwd.timeline + bwd.timeline,
+        forward_nodes=len(fwd.timeline),
+    )
+
+
+@dataclasses.dataclass
+class _Walk:
+    timeline: tuple[int, ...]
+    peak: tuple[int, str]
+
+
+def _walk(
+    gm: GraphModule,
+    inputs: dict[StorageWeakRef, int],
+    held: set[StorageWeakRef],
+    live: dict[StorageWeakRef, int],
+) -> _Walk:
+    """Run `gm`'s schedule over `live` (updated in place): storages appear at their first node
+    and go after their last reader unless `held`."""
+    nodes = list(gm.graph.nodes)
+    last: dict[StorageWeakRef, int] = {}
+    for i, node in enumerate(nodes):
+        for source in (node, *node.all_input_nodes):
+            for key, _ in _storages(source):
+                last[key] = i
+    timeline, peak = [], (sum(live.values()), "")
+    for i, node in enumerate(nodes):
+        for key, size in _storages(node):
+            if key not in inputs:
+                live.setdefault(key, size)
+        running = sum(live.values()) + _workspace(node)
+        peak = max(peak, (running, node.name))
+        for key in [k for k in live if last.get(k, -1) <= i and k not in held]:
+            del live[key]
+        timeline.append(sum(live.values()))
+    return _Walk(tuple(timeline), peak)
+
+
+def _storages(node: Any) -> Iterator[tuple[StorageWeakRef, int]]:
+    leaves, _ = tree_flatten(val(node))
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            yield StorageWeakRef(storage), concrete(storage.nbytes())
+
+
+def _workspace(node: Node) -> int:
+    measure = WORKSPACES.get(node.target) if node.op == "call_function" else None
+    if measure is None:
+        return 0
+    args = [val(a) if isinstance(a, Node) else a for a in node.args]
+    return measure(*args)
+
+
+def _placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _output(gm: GraphModule) -> list[Any]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(output.args[0])
