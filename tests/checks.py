@@ -91,8 +91,13 @@ def kept_for_backward(model, *batch):
     """Bytes of the distinct storages autograd saves during one training step (`model(*batch)`
     returns the loss), leaving out the parameters, buffers and the batch itself (they live on
     regardless)."""
-    owned = [*model.parameters(), *model.buffers(), *batch]
-    lasting = {StorageWeakRef(t.untyped_storage()) for t in owned}
+    return saved_bytes(lambda: model(*batch), [*model.parameters(), *model.buffers(), *batch])
+
+
+def saved_bytes(step, lasting):
+    """Bytes of the distinct storages autograd saves while `step()` computes a loss and its
+    backward runs, leaving out the storages of the tensors in `lasting`."""
+    lasting = {StorageWeakRef(t.untyped_storage()) for t in lasting}
     saved = {}
 
     def pack(t):
@@ -102,6 +107,6 @@ def kept_for_backward(model, *batch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*batch)
+        loss = step()
     loss.backward()
     return sum(saved.values())

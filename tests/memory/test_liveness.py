@@ -6,27 +6,13 @@ reference implementation's temporaries)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import saved_bytes
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.report import collecting
-
-
-def measured_saved_bytes(step, parameters):
-    """Bytes of the distinct storages autograd saves during `step()`, parameters left out."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    owned = {p.untyped_storage().data_ptr() for p in parameters}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(size for ptr, size in saved.items() if ptr not in owned)
 
 
 def predicted_saved_bytes(report):
@@ -72,7 +58,7 @@ def test_kept_for_backward_is_within_ten_percent_of_what_autograd_saves(make):
     with collecting() as report:
         run(compiled).backward()
     predicted = predicted_saved_bytes(report)
-    measured = measured_saved_bytes(lambda: run(compiled), list(model.parameters()))
+    measured = saved_bytes(lambda: run(compiled), model.parameters())
     assert predicted > 0
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
 
