@@ -170,3 +170,27 @@ def test_training_loss_curve_tracks_eager_in_bf16():
     assert report.counts["attention"] == config.n_layers
     assert eager.losses[-1] < eager.losses[0] - 0.5
     torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rest", ["inductor", "eager"])
+def test_the_memory_models_peak_is_within_15_percent_of_cuda(rest):
+    """The step's peak above what lives before it (parameters, the batch) against the model's
+    peak, which counts activations and the gradients made so far."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
+    model = GPT(config).to(cuda)
+    idx = torch.randint(config.vocab, (8, 512), device=cuda)
+    targets = torch.randint(config.vocab, (8, 512), device=cuda)
+    compiled = torch.compile(model, backend="seqfast", options={"rest": rest})
+    with collecting() as report:
+        compiled(idx, targets).backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    compiled(idx, targets).backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    (plan,) = report.memory
+    predicted = plan.step.peak_bytes
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
