@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map
 
-from seqcompile.fx_utils import insert_call, source_meta, val
+from seqcompile.fx_utils import fake_values, insert_call, source_meta, val
 
 aten = torch.ops.aten
 ENTER = torch.amp.autocast_mode._enter_autocast
@@ -118,9 +118,7 @@ def _cast(
 
 def _run_plain(node: Node, fake_mode: Any) -> Any:
     """The node's op run on its inputs' fake values with autocast off (None if it fails)."""
-    args, kwargs = tree_map(
-        lambda a: val(a) if isinstance(a, Node) else a, (node.args, node.kwargs)
-    )
+    args, kwargs = fake_values((node.args, node.kwargs))
     try:
         with fake_mode, _autocast_off():
             return node.target(*args, **kwargs)

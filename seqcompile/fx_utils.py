@@ -28,6 +28,11 @@ def concrete(size: int | torch.SymInt) -> int:
     return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
 
 
+def fake_values(tree: Any) -> Any:
+    """`tree` (arguments, possibly nested) with every node replaced by its fake value."""
+    return tree_map(lambda a: val(a) if isinstance(a, Node) else a, tree)
+
+
 def tensor_val(node: Any) -> torch.Tensor | None:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
@@ -72,9 +77,7 @@ def insert_call(
     value computed from the arguments' fake values."""
     kwargs = kwargs or {}
     node = graph.call_function(target, tuple(args), kwargs)
-    fake_args, fake_kwargs = tree_map(
-        lambda a: val(a) if isinstance(a, Node) else a, (args, kwargs)
-    )
+    fake_args, fake_kwargs = fake_values((args, kwargs))
     with fake_mode:
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node

@@ -4,6 +4,7 @@ sizes the graph was traced with."""
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -16,10 +17,15 @@ def tensor_bytes(value: torch.Tensor) -> int:
     return concrete(value.numel()) * value.element_size()
 
 
+def graph_outputs(gm: GraphModule) -> list[Any]:
+    """What `gm` returns, in order."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(output.args[0])
+
+
 def saved_values(forward: GraphModule, num_fwd_outputs: int) -> list[Node]:
     """Forward outputs that only the backward reads (after the user-visible outputs)."""
-    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
-    return [n for n in output.args[0][num_fwd_outputs:] if isinstance(n, Node)]
+    return [n for n in graph_outputs(forward)[num_fwd_outputs:] if isinstance(n, Node)]
 
 
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)

@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops below)
 from seqcompile.fx_utils import tensor_val
-from seqcompile.memory.estimate import saved_values, tensor_bytes
+from seqcompile.memory.estimate import graph_outputs, saved_values, tensor_bytes
 
 IN_PLACE = {
     torch.ops.seqfast.cross_entropy_backward.default: (
@@ -62,9 +62,8 @@ def write_over_saved(forward: GraphModule, backward: GraphModule, num_fwd_output
 def _private_saved(forward: GraphModule, num_fwd_outputs: int) -> set[str]:
     """Names of the saved values computed by the forward whose storage nothing else shares: no
     graph input, no user-visible output, no other saved value."""
-    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
-    visible = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    visible += [n for n in output.args[0][:num_fwd_outputs] if isinstance(n, Node)]
+    visible = list(forward.graph.find_nodes(op="placeholder"))
+    visible += [n for n in graph_outputs(forward)[:num_fwd_outputs] if isinstance(n, Node)]
     saved = [n for n in saved_values(forward, num_fwd_outputs) if tensor_val(n) is not None]
     owners: dict[StorageWeakRef, int] = {}
     for node in visible + saved:

@@ -19,8 +19,8 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from seqcompile.fx_utils import concrete, val
-from seqcompile.memory.estimate import saved_values
+from seqcompile.fx_utils import concrete, fake_values, val
+from seqcompile.memory.estimate import graph_outputs, saved_values
 from seqcompile.ops import linear_cross_entropy
 
 WORKSPACES: dict[Any, Callable[..., int]] = {
@@ -56,14 +56,10 @@ def step_memory(
     forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, parameters: set[str]
 ) -> StepMemory:
     """The step's memory; `parameters` names the forward's placeholders that are parameters."""
-    forward_out = _output(forward)
-    inputs = {key: size for n in _placeholders(forward) for key, size in _storages(n)}
-    params = {
-        key: size
-        for n in _placeholders(forward)
-        if n.name in parameters
-        for key, size in _storages(n)
-    }
+    forward_out = graph_outputs(forward)
+    placeholders = forward.graph.find_nodes(op="placeholder")
+    inputs = {key: size for n in placeholders for key, size in _storages(n)}
+    params = {key: size for n in placeholders if n.name in parameters for key, size in _storages(n)}
     user = {key for n in forward_out[:num_fwd_outputs] for key, _ in _storages(n)}
     kept = {
         key: size
@@ -74,7 +70,7 @@ def step_memory(
     live: dict[StorageWeakRef, int] = {}
     held = {key for n in forward_out for key, _ in _storages(n)}
     fwd = _walk(forward, inputs, held, live)
-    grads = {key: size for n in _output(backward) for key, size in _storages(n)}
+    grads = {key: size for n in graph_outputs(backward) for key, size in _storages(n)}
     bwd = _walk(backward, inputs, user | set(grads), live)
     peak_bytes, peak_node = max(fwd.peak, bwd.peak)
     return StepMemory(
@@ -135,14 +131,4 @@ def _workspace(node: Node) -> int:
     measure = WORKSPACES.get(node.target) if node.op == "call_function" else None
     if measure is None:
         return 0
-    args = [val(a) if isinstance(a, Node) else a for a in node.args]
-    return measure(*args)
-
-
-def _placeholders(gm: GraphModule) -> list[Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _output(gm: GraphModule) -> list[Any]:
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return list(output.args[0])
+    return measure(*fake_values(node.args))
