@@ -29,10 +29,11 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile.codegen import prepare_kernel
-from seqcompile.memory import estimate
+from seqcompile.memory import budget, estimate
+from seqcompile.memory.cost import roofline_for, total_cost
 from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
-from seqcompile.memory.partition import choose_partitioner, partition
+from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
 from seqcompile.patterns import builtin_patterns
@@ -154,11 +155,28 @@ def plan_memory(
     """Stage 5: split the joint graph; fold gradient sums into region backwards; let backward ops
     write over saved tensors only they read; record what the forward keeps for the backward."""
     joint = _executor_joint_passes(joint, state)
+    joint_forward = {n.name for n in budget.forward_nodes(joint)}
+    options = state.options
+    plan = None
+    if options.checkpoint == "auto" and not options.memory_budget.unlimited:
+        plan = budget.plan_recompute(
+            joint, num_fwd_outputs, options.memory_budget, roofline_for(_device(state))
+        )
+        if not plan.reachable:
+            log.warning(
+                "%s: memory budget %s (%d bytes) is not reachable; the plan keeps %d bytes",
+                state.name,
+                plan.budget,
+                plan.target_bytes,
+                plan.planned_bytes,
+            )
     state.dump("differentiate_joint", joint)
-    strategy = choose_partitioner(state.options.partition, state.rest)
-    forward, backward = partition(
-        joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
-    )
+    strategy = choose_partitioner(options.partition, options.checkpoint, state.rest)
+    with torch_budget(joint, options):
+        forward, backward = partition(
+            joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
+        )
+    recomputed = total_cost(budget.recomputed_in(backward, joint_forward))
     for spec in fold_gradient_sums(backward):
         state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
     written_over = (
@@ -169,7 +187,7 @@ def plan_memory(
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
     step = step_memory(forward, backward, num_fwd_outputs, _parameters(state))
     state.report.memory.append(
-        MemoryPlan(state.name, strategy, count, total, fused, written_over, step)
+        MemoryPlan(state.name, strategy, count, total, fused, written_over, step, plan, recomputed)
     )
     return forward, backward
 
@@ -202,6 +220,10 @@ def _parameters(state: GraphCompile) -> set[str]:
         for i, t in enumerate(state.example_inputs, start=1)
         if isinstance(t, torch.nn.Parameter)
     }
+
+
+def _device(state: GraphCompile) -> torch.device | None:
+    return next((t.device for t in state.example_inputs if isinstance(t, torch.Tensor)), None)
 
 
 def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:

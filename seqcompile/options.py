@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ _FALSE = ("0", "false", "no", "off", "")
 REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")
 LOG_CHOICES = ("debug", "info", "warning", "error")
+CHECKPOINT_CHOICES = ("auto", "none", "torch")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 class OptionError(ValueError):
@@ -64,6 +67,60 @@ def _parse_path(name: str, value: Any) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Budget:
+    """How much the forward may keep for the backward: a fraction of the save-everything plan, or
+    a size in bytes (per compiled graph)."""
+
+    fraction: float | None = None
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, value: float | int | str) -> Budget:
+        """`0.5` (a fraction in (0, 1]), `"6GiB"`, `"512 MB"` or a whole number of bytes; raises
+        ValueError otherwise."""
+        if isinstance(value, str):
+            text = value.strip().upper().replace(" ", "")
+            match = re.fullmatch(r"(\d+(?:\.\d+)?)(B|KB|MB|GB|KIB|MIB|GIB)", text)
+            if match:
+                return cls(size=int(float(match[1]) * _UNITS[match[2]]))
+            try:
+                value = int(text) if text.isdigit() else float(text)
+            except ValueError:
+                raise ValueError(f"not a fraction or a size: {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"not a fraction or a size: {value!r}")
+        if 0 < value <= 1:
+            return cls(fraction=float(value))
+        if isinstance(value, int) and value > 1:
+            return cls(size=value)
+        raise ValueError(f"a fraction must be in (0, 1] and a size a whole number > 1: {value!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.fraction == 1.0
+
+    def target(self, baseline_bytes: int) -> int:
+        if self.size is not None:
+            return self.size
+        return int(self.fraction * baseline_bytes)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.size is None else f"{self.size} bytes"
+
+
+def _parse_budget(name: str, value: Any) -> Budget:
+    if isinstance(value, Budget):
+        return value
+    try:
+        return Budget.parse(value)
+    except ValueError as error:
+        raise OptionError(
+            f'options["{name}"] must be a fraction of the save-everything plan in (0, 1] or a'
+            f' size such as "6GiB" or "512MB"; {error}'
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """Resolved options of one compile. Build with `Options.resolve(user_options)`."""
 
@@ -87,6 +144,13 @@ class Options:
     """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
     over the logits). A second backward through the same graph (`retain_graph=True`) then fails
     with autograd's "modified by an inplace operation" error; False keeps saved tensors intact."""
+    memory_budget: Budget = Budget(fraction=1.0)
+    """What the forward may keep for the backward: a fraction of the save-everything plan, or a
+    size per compiled graph."""
+    checkpoint: str = "auto"
+    """Who meets `memory_budget`: "auto" (seqfast's planner), "torch" (torch's min-cut with its
+    `activation_memory_budget`, fractions only) or "none" (nothing recomputed beyond the
+    partitioner's choice and the user's checkpoints)."""
 
     @classmethod
     def resolve(
@@ -108,7 +172,23 @@ class Options:
                 values[name] = parse(name, options[name])
             elif env_name in environ:
                 values[name] = parse(name, environ[env_name])
-        return cls(**values)
+        resolved = cls(**values)
+        resolved._check_budget()
+        return resolved
+
+    def _check_budget(self) -> None:
+        if self.memory_budget.unlimited:
+            return
+        if self.checkpoint == "none":
+            raise OptionError(
+                f'options["memory_budget"] = {self.memory_budget} needs options["checkpoint"]'
+                ' "auto" or "torch" to recompute anything; got "none"'
+            )
+        if self.checkpoint == "torch" and self.memory_budget.size is not None:
+            raise OptionError(
+                'options["checkpoint"] = "torch" takes a fractional options["memory_budget"]'
+                f" (torch's activation_memory_budget); got {self.memory_budget}"
+            )
 
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
@@ -119,5 +199,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "log": _parse_choice(LOG_CHOICES, allow_none=True),
     "loss_chunk": _parse_count,
     "reuse_saved": _parse_bool,
+    "memory_budget": _parse_budget,
+    "checkpoint": _parse_choice(CHECKPOINT_CHOICES, allow_none=False),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from seqcompile.codegen import KernelSource
 
 if TYPE_CHECKING:
+    from seqcompile.memory.budget import RecomputePlan
+    from seqcompile.memory.cost import NodeCost
     from seqcompile.memory.liveness import StepMemory
 
 
@@ -40,6 +42,10 @@ class MemoryPlan:
     allocating them."""
     step: StepMemory | None = None
     """The step's live bytes over its forward-then-backward schedule."""
+    budget: RecomputePlan | None = None
+    """What the memory budget made the planner recompute (None without a budget)."""
+    recompute: NodeCost | None = None
+    """FLOPs and bytes of the forward work the backward redoes, whoever chose it."""
 
 
 @dataclasses.dataclass
@@ -87,15 +93,32 @@ def _memory_lines(m: MemoryPlan) -> list[str]:
     )
     if m.written_over_bytes:
         kept += f"; {_size(m.written_over_bytes)} reused by the backward"
-    if m.step is None:
-        return [kept]
-    step = m.step
-    return [
-        kept,
-        f"    peak {_size(step.peak_bytes)} at {step.peak_node} (activations and gradients);"
-        f" parameters {_size(step.parameter_bytes)}, gradients {_size(step.gradient_bytes)},"
-        f" other inputs {_size(step.input_bytes)}",
-    ]
+    lines = [kept]
+    if m.recompute is not None and m.recompute.flops + m.recompute.moved_bytes:
+        lines.append(
+            f"    recomputed in the backward: {m.recompute.flops / 1e9:.3g} GFLOP,"
+            f" {_size(m.recompute.moved_bytes)} moved"
+        )
+    if m.budget is not None:
+        lines.append(f"    {_budget_line(m.budget)}")
+    if m.step is not None:
+        step = m.step
+        lines.append(
+            f"    peak {_size(step.peak_bytes)} at {step.peak_node} (activations and gradients);"
+            f" parameters {_size(step.parameter_bytes)}, parameters' gradients"
+            f" {_size(step.gradient_bytes)}, other inputs {_size(step.input_bytes)}"
+        )
+    return lines
+
+
+def _budget_line(plan: RecomputePlan) -> str:
+    verdict = "met" if plan.reachable else "NOT reachable, the least the planner found"
+    return (
+        f"memory budget {plan.budget}: target {_size(plan.target_bytes)} of"
+        f" {_size(plan.baseline_bytes)} saved without it; plan keeps"
+        f" {_size(plan.planned_bytes)} ({verdict}) by recomputing {len(plan.recomputed)} nodes,"
+        f" {plan.cost.flops / 1e9:.3g} GFLOP, ~{plan.seconds * 1e6:.0f} us on the device roofline"
+    )
 
 
 def _size(n: int) -> str:

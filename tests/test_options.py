@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from seqcompile.options import Options
+from seqcompile.options import Budget, Options
 
 
 def test_defaults():
@@ -49,11 +49,41 @@ def test_unknown_option_names_the_valid_ones():
         ({"disable": "maybe"}, r"options\[\"disable\"\] must be a bool or one of '1', 'true'"),
         ({"partition": 3}, r"options\[\"partition\"\] must be one of 'auto', 'min_cut', 'default'"),
         ({"dump_dir": 5}, r"options\[\"dump_dir\"\] must be a directory path or None"),
+        ({"memory_budget": 0}, r"options\[\"memory_budget\"\] must be a fraction .* in \(0, 1\]"),
+        ({"memory_budget": 1.5}, r"must be a fraction of the save-everything plan"),
+        ({"memory_budget": "lots"}, r"not a fraction or a size: 'lots'"),
+        ({"checkpoint": "always"}, r"options\[\"checkpoint\"\] must be one of 'auto', 'none'"),
+        (
+            {"memory_budget": 0.5, "checkpoint": "none"},
+            r"memory_budget.* needs options\[\"checkpoint\"\] \"auto\" or \"torch\"",
+        ),
+        (
+            {"memory_budget": "6GiB", "checkpoint": "torch"},
+            r"\"torch\" takes a fractional options\[\"memory_budget\"\]",
+        ),
     ],
 )
 def test_bad_values_name_the_valid_choices(options, message):
     with pytest.raises(ValueError, match=message):
         Options.resolve(options, environ={})
+
+
+@pytest.mark.parametrize(
+    "value,budget",
+    [
+        (0.5, Budget(fraction=0.5)),
+        (1, Budget(fraction=1.0)),
+        ("0.25", Budget(fraction=0.25)),
+        ("6GiB", Budget(size=6 * 2**30)),
+        ("512 MB", Budget(size=512 * 10**6)),
+        ("4096", Budget(size=4096)),
+        (4096, Budget(size=4096)),
+    ],
+)
+def test_memory_budget_takes_fractions_and_sizes(value, budget):
+    assert Options.resolve({"memory_budget": value}, environ={}).memory_budget == budget
+    env = {"SEQFAST_MEMORY_BUDGET": str(value)}
+    assert Options.resolve({}, environ=env).memory_budget == budget
 
 
 def test_bad_environment_value_is_an_error():

@@ -58,19 +58,19 @@ def step_memory(
     """The step's memory; `parameters` names the forward's placeholders that are parameters."""
     forward_out = graph_outputs(forward)
     placeholders = forward.graph.find_nodes(op="placeholder")
-    inputs = {key: size for n in placeholders for key, size in _storages(n)}
-    params = {key: size for n in placeholders if n.name in parameters for key, size in _storages(n)}
-    user = {key for n in forward_out[:num_fwd_outputs] for key, _ in _storages(n)}
+    inputs = {key: size for n in placeholders for key, size in storages(n)}
+    params = {key: size for n in placeholders if n.name in parameters for key, size in storages(n)}
+    user = {key for n in forward_out[:num_fwd_outputs] for key, _ in storages(n)}
     kept = {
         key: size
         for n in saved_values(forward, num_fwd_outputs)
-        for key, size in _storages(n)
+        for key, size in storages(n)
         if key not in params and key not in user
     }
     live: dict[StorageWeakRef, int] = {}
-    held = {key for n in forward_out for key, _ in _storages(n)}
+    held = {key for n in forward_out for key, _ in storages(n)}
     fwd = _walk(forward, inputs, held, live)
-    grads = {key: size for n in graph_outputs(backward) for key, size in _storages(n)}
+    grads = {key: size for n in graph_outputs(backward) for key, size in storages(n)}
     bwd = _walk(backward, inputs, user | set(grads), live)
     peak_bytes, peak_node = max(fwd.peak, bwd.peak)
     return StepMemory(
@@ -104,11 +104,11 @@ def _walk(
     last: dict[StorageWeakRef, int] = {}
     for i, node in enumerate(nodes):
         for source in (node, *node.all_input_nodes):
-            for key, _ in _storages(source):
+            for key, _ in storages(source):
                 last[key] = i
     timeline, peak = [], (sum(live.values()), "")
     for i, node in enumerate(nodes):
-        for key, size in _storages(node):
+        for key, size in storages(node):
             if key not in inputs:
                 live.setdefault(key, size)
         running = sum(live.values()) + _workspace(node)
@@ -119,7 +119,7 @@ def _walk(
     return _Walk(tuple(timeline), peak)
 
 
-def _storages(node: Any) -> Iterator[tuple[StorageWeakRef, int]]:
+def storages(node: Any) -> Iterator[tuple[StorageWeakRef, int]]:
     leaves, _ = tree_flatten(val(node))
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
