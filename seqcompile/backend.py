@@ -29,7 +29,7 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile.codegen import prepare_kernel
-from seqcompile.memory import budget, estimate
+from seqcompile.memory import accumulate, budget, estimate
 from seqcompile.memory.cost import roofline_for, total_cost
 from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
@@ -58,6 +58,9 @@ class GraphCompile:
     fake_mode: Any = None
     fake_inputs: list[Any] = dataclasses.field(default_factory=list)
     report: CompileReport = dataclasses.field(default_factory=CompileReport)
+    accumulation: accumulate.Accumulation | None = None
+    accumulating: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The parameters the last forward ran with, whose `.grad` the backward accumulates into."""
     _dumped: int = 0
 
     @property
@@ -182,6 +185,10 @@ def plan_memory(
     written_over = (
         write_over_saved(forward, backward, num_fwd_outputs) if state.options.reuse_saved else 0
     )
+    if options.accumulate_grads:
+        positions = _parameter_positions(state)
+        accumulate.check_parameters([state.example_inputs[i] for i in positions])
+        state.accumulation = accumulate.accumulate_into_grads(backward, positions)
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
     count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
@@ -209,17 +216,34 @@ def lower(
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
             state.dump(f"lower_{kind}_inductor_code", source)
-        return compiled
-    return _boxed(gm)
+        return _with_accumulation(compiled, state, kind)
+    return _with_accumulation(_boxed(gm), state, kind)
+
+
+def _with_accumulation(run: Callable[..., Any], state: GraphCompile, kind: str) -> Any:
+    """With `accumulate_grads`, the forward notes the parameters it ran with and the backward
+    gets their `.grad`s."""
+    plan = state.accumulation
+    if plan is None or kind == "inference":
+        return run
+    if kind == "backward":
+        return accumulate.run_accumulating(run, lambda: state.accumulating)
+
+    def forward(args: list[Any]) -> Any:
+        state.accumulating = [args[i] for i in plan.positions]
+        return run(args)
+
+    forward._boxed_call = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _parameter_positions(state: GraphCompile) -> list[int]:
+    return [i for i, t in enumerate(state.example_inputs) if isinstance(t, torch.nn.Parameter)]
 
 
 def _parameters(state: GraphCompile) -> set[str]:
     """Names AOTAutograd gives the placeholders whose example inputs are parameters."""
-    return {
-        f"primals_{i}"
-        for i, t in enumerate(state.example_inputs, start=1)
-        if isinstance(t, torch.nn.Parameter)
-    }
+    return {f"primals_{i + 1}" for i in _parameter_positions(state)}
 
 
 def _device(state: GraphCompile) -> torch.device | None:

@@ -147,6 +147,9 @@ class Options:
     memory_budget: Budget = Budget(fraction=1.0)
     """What the forward may keep for the backward: a fraction of the save-everything plan, or a
     size per compiled graph."""
+    accumulate_grads: bool = False
+    """The backward adds parameters' gradients straight into their existing `.grad` (the
+    weight-gradient matmul accumulates into it) instead of handing them to autograd."""
     checkpoint: str = "auto"
     """Who meets `memory_budget`: "auto" (seqfast's planner), "torch" (torch's min-cut with its
     `activation_memory_budget`, fractions only) or "none" (nothing recomputed beyond the
@@ -201,5 +204,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "reuse_saved": _parse_bool,
     "memory_budget": _parse_budget,
     "checkpoint": _parse_choice(CHECKPOINT_CHOICES, allow_none=False),
+    "accumulate_grads": _parse_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
         "benchmarks.attention",
         "benchmarks.pointwise_kernels",
         "benchmarks.loss",
+        "benchmarks.memory_budget",
     ],
 )
 def test_benchmark_quick_run_writes_a_table(module, tmp_path):

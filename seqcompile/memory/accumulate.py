@@ -1,0 +1,188 @@
+"""Gradient accumulation into `.grad` (option `accumulate_grads`): the backward adds each
+parameter's gradient straight into the parameter's existing `.grad`, and hands autograd None for
+it, so a micro-batch allocates no weight-sized gradient and runs no separate accumulation kernel.
+
+The backward graph gets one placeholder per parameter, its `.grad`; the callable that runs the
+backward passes them in (creating zero `.grad`s on the first micro-batch). Where a gradient comes
+from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into `.grad`, the fused
+linear + cross-entropy's finished weight gradient is scaled into it, an embedding's backward
+scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any other
+gradient (biases, norm weights) is computed and then added in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+from seqcompile.fx_utils import is_call, val
+from seqcompile.memory.estimate import graph_outputs
+
+aten = torch.ops.aten
+seqfast = torch.ops.seqfast
+
+
+@torch.library.custom_op("seqfast::accumulate_matmul_", mutates_args=("grad",))
+def accumulate_matmul_(grad: Tensor, a: Tensor, b: Tensor) -> None:
+    """grad += a @ b, in the matmul's epilogue."""
+    grad.addmm_(a, b)
+
+
+@torch.library.custom_op("seqfast::accumulate_scaled_", mutates_args=("grad",))
+def accumulate_scaled_(grad: Tensor, update: Tensor, scale: Tensor) -> None:
+    """grad += update * scale (a 0-d scale), with no temporary."""
+    grad.addcmul_(update, scale.to(update.dtype))
+
+
+@torch.library.custom_op("seqfast::accumulate_rows_", mutates_args=("grad",))
+def accumulate_rows_(grad: Tensor, rows: Tensor, indices: Tensor, padding_idx: int) -> None:
+    """grad[indices] += rows, as an embedding's backward would build them (padding left out)."""
+    rows = rows.reshape(-1, grad.shape[-1])
+    indices = indices.reshape(-1)
+    if padding_idx >= 0:
+        keep = indices != padding_idx
+        rows, indices = rows[keep], indices[keep]
+    grad.index_put_((indices,), rows.to(grad.dtype), accumulate=True)
+
+
+@torch.library.custom_op("seqfast::accumulate_", mutates_args=("grad",))
+def accumulate_(grad: Tensor, update: Tensor) -> None:
+    """grad += update."""
+    grad.add_(update)
+
+
+for _op in (accumulate_matmul_, accumulate_scaled_, accumulate_rows_, accumulate_):
+    _op.register_fake(lambda grad, *args: None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """Which forward inputs accumulate into their `.grad`, by position."""
+
+    positions: tuple[int, ...]
+
+
+def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumulation:
+    """Rewrite `backward` so the gradients of the forward inputs at `positions` (parameters) are
+    accumulated into new trailing placeholders, one per parameter, and returned as None."""
+    graph = backward.graph
+    outputs = graph_outputs(backward)
+    last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
+    taken = []
+    for position in positions:
+        gradient = outputs[position]
+        if not isinstance(gradient, Node):
+            continue
+        with graph.inserting_after(last_placeholder):
+            buffer = graph.placeholder(f"grad_{position}")
+        buffer.meta["val"] = val(gradient)
+        last_placeholder = buffer
+        with graph.inserting_before(gradient.next):
+            _accumulate(graph, buffer, gradient)
+        outputs[position] = None
+        taken.append(position)
+    output = next(iter(graph.find_nodes(op="output")))
+    output.args = (tuple(outputs),)
+    graph.eliminate_dead_code()
+    backward.recompile()
+    return Accumulation(tuple(taken))
+
+
+def _accumulate(graph: Any, buffer: Node, gradient: Node) -> None:
+    """Insert the calls that add `gradient`'s value into `buffer`, inside its producer when the
+    producer allows."""
+    if is_call(gradient, aten.add.Tensor) and all(
+        isinstance(a, Node) and val(a).shape == val(gradient).shape for a in gradient.args[:2]
+    ):
+        for term in gradient.args[:2]:
+            _accumulate(graph, buffer, term)
+        return
+    matmul, transposed = _through_transposes(gradient)
+    if is_call(matmul, aten.mm.default):
+        a, b = matmul.args
+        if transposed:  # (a @ b)^T = b^T @ a^T
+            a, b = (graph.call_function(aten.t.default, (x,)) for x in (b, a))
+        graph.call_function(seqfast.accumulate_matmul_.default, (buffer, a, b))
+        return
+    if (
+        gradient.target is operator.getitem
+        and is_call(gradient.args[0], seqfast.linear_cross_entropy_backward.default)
+        and gradient.args[1] in (1, 2)
+    ):
+        backward = gradient.args[0]
+        scale, *finished = backward.args
+        graph.call_function(
+            seqfast.accumulate_scaled_.default, (buffer, finished[gradient.args[1]], scale)
+        )
+        _scale_hidden_gradient_alone(graph, backward)
+        return
+    if is_call(gradient, aten.embedding_dense_backward.default) and not gradient.args[4]:
+        rows, indices, _, padding_idx, _ = gradient.args
+        graph.call_function(seqfast.accumulate_rows_.default, (buffer, rows, indices, padding_idx))
+        return
+    graph.call_function(seqfast.accumulate_.default, (buffer, gradient))
+
+
+def _scale_hidden_gradient_alone(graph: Any, backward: Node) -> None:
+    """Take the hidden-state gradient out of the linear + cross-entropy's backward, so the op,
+    and the weight-sized product it would return, go once its weight gradient is accumulated."""
+    scale, finished_hidden = backward.args[:2]
+    for user in list(backward.users):
+        if user.target is operator.getitem and user.args[1] == 0:
+            with graph.inserting_before(user):
+                alone = graph.call_function(aten.mul.Tensor, (finished_hidden, scale))
+            alone.meta["val"] = val(user)
+            user.replace_all_uses_with(alone)
+            graph.erase_node(user)
+
+
+def _through_transposes(node: Node) -> tuple[Node, bool]:
+    """The node under a chain of 2-D transposes, and whether the chain transposes it."""
+    transposed = False
+    while is_call(node, aten.t.default) or (
+        is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]
+    ):
+        node, transposed = node.args[0], not transposed
+    return node, transposed
+
+
+def check_parameters(parameters: list[Tensor]) -> None:
+    """Refuse what cannot see a gradient that never passes through autograd."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError(
+            'options["accumulate_grads"] cannot run under torch.distributed: DistributedData'
+            "Parallel's reducer and FSDP take each gradient from autograd, which this option"
+            " bypasses. Turn the option off, or accumulate with DDP's no_sync()."
+        )
+    for p in parameters:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise RuntimeError(
+                'options["accumulate_grads"] cannot honour a gradient hook on a parameter of'
+                f" shape {tuple(p.shape)}: the gradient is added into .grad without passing"
+                " through autograd, so the hook would never run. Remove the hook or the option."
+            )
+
+
+def run_accumulating(
+    backward: Callable[[list[Any]], Any], parameters: Callable[[], list[Tensor]]
+) -> Callable[[list[Any]], Any]:
+    """The boxed backward, given each parameter's `.grad` (zeros when it has none) as trailing
+    inputs."""
+
+    def run(args: list[Any]) -> Any:
+        params = parameters()
+        check_parameters(params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        args.extend(p.grad for p in params)
+        return backward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
