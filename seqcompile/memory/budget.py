@@ -114,6 +114,8 @@ class _KeptModel:
         self.forward = set(forward)
         self.order = {n: i for i, n in enumerate(joint.graph.nodes)}
         self._costs: dict[Node, NodeCost] = {}
+        self._storages: dict[Node, list[tuple[StorageWeakRef, int]]] = {}
+        self.holding: dict[StorageWeakRef, set[Node]] = {}
         users_outside = [n for n in forward if any(u not in self.forward for u in n.users)]
         self.free = {  # storages that live regardless: inputs and the user's outputs
             key
@@ -122,7 +124,7 @@ class _KeptModel:
                 *graph_outputs(joint)[:num_fwd_outputs],
             )
             if isinstance(n, Node)
-            for key, _ in storages(n)
+            for key, _ in self.storages(n)
         }
         self.recomputed = {n for n in forward if _user_recomputed(n)}
         self.kept: set[Node] = set()
@@ -135,9 +137,10 @@ class _KeptModel:
             if node in self.kept:
                 continue
             self.kept.add(node)
-            for key, size in storages(node):
+            for key, size in self.storages(node):
                 if key in self.free:
                     continue
+                self.holding.setdefault(key, set()).add(node)
                 if self.holders[key] == 0:
                     self.kept_bytes += size
                 self.holders[key] += 1
@@ -146,9 +149,10 @@ class _KeptModel:
         if node not in self.kept:
             return
         self.kept.remove(node)
-        for key, size in storages(node):
+        for key, size in self.storages(node):
             if key in self.free:
                 continue
+            self.holding[key].discard(node)
             self.holders[key] -= 1
             if self.holders[key] == 0:
                 self.kept_bytes -= size
@@ -170,17 +174,17 @@ class _KeptModel:
 
     def gain(self, move: list[Node]) -> int:
         """Kept bytes the move frees (negative when its inputs weigh more)."""
-        dropping = Counter(key for n in move if n in self.kept for key, _ in storages(n))
+        dropping = Counter(key for n in move if n in self.kept for key, _ in self.storages(n))
         freed = {
             key: size
             for n in move
-            for key, size in storages(n)
+            for key, size in self.storages(n)
             if key not in self.free and dropping[key] == self.holders[key] > 0
         }
         added = {
             key: size
             for i in self._new_inputs(move)
-            for key, size in storages(i)
+            for key, size in self.storages(i)
             if key not in self.free and self.holders[key] == dropping[key]
         }
         return sum(freed.values()) - sum(added.values())
@@ -199,6 +203,11 @@ class _KeptModel:
                 if score > best_score:
                     best, best_score = move, score
         return best
+
+    def storages(self, node: Node) -> list[tuple[StorageWeakRef, int]]:
+        if node not in self._storages:
+            self._storages[node] = list(storages(node))
+        return self._storages[node]
 
     def cost(self, node: Node) -> NodeCost:
         if node not in self._costs:
@@ -224,10 +233,10 @@ class _KeptModel:
     def _sharing(self, node: Node) -> list[Node]:
         """The chains of every kept value that shares a storage with `node` (views of one
         tensor are freed together or not at all)."""
-        keys = {key for key, _ in storages(node)}
+        sharing = {other for key, _ in self.storages(node) for other in self.holding.get(key, ())}
         move: list[Node] = []
-        for other in sorted(self.kept, key=self.order.__getitem__):
-            if self._recomputable(other) and any(k in keys for k, _ in storages(other)):
+        for other in sorted(sharing, key=self.order.__getitem__):
+            if self._recomputable(other):
                 move.extend(n for n in self._chain(other) if n not in move)
         return move
 
