@@ -4,14 +4,18 @@ facts, and markdown tables that carry the command that produced them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+from seqcompile.demo import GPT2_SMALL, GPTConfig
 
 
 def standard_setup(doc: str) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
@@ -24,6 +28,35 @@ def standard_setup(doc: str) -> tuple[argparse.Namespace, torch.device, torch.dt
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelSetup(NamedTuple):
+    args: argparse.Namespace
+    device: torch.device
+    config: GPTConfig
+    batch: int
+    length: int
+
+
+def model_setup(doc: str, extra: Sequence[tuple[str, int]] = ()) -> ModelSetup:
+    """The options every whole-model benchmark takes (`--quick`, `--no-inductor`, `--batch`,
+    `--length`, `--output`, and `extra` whole-number options with their defaults), the device,
+    and the model: GPT-2-small-shaped, or a tiny GPT on 2 x 16 tokens with `--quick`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run on CPU")
+    parser.add_argument("--no-inductor", action="store_true", help="leave plain Inductor out")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=1024)
+    for name, default in extra:
+        parser.add_argument(name, type=int, default=default)
+    parser.add_argument("--output", help="append the markdown table to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        config = GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2)
+        return ModelSetup(args, device, config, batch=2, length=16)
+    config = dataclasses.replace(GPT2_SMALL, max_len=args.length)
+    return ModelSetup(args, device, config, batch=args.batch, length=args.length)
 
 
 def device_name(device: torch.device) -> str:

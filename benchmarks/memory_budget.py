@@ -8,15 +8,14 @@ torch's `activation_memory_budget` (`checkpoint="torch"`) on the same fused grap
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import time
 
 import torch
 
-from benchmarks.common import device_name, emit, header, table
-from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
+from benchmarks.common import device_name, emit, header, model_setup, table
+from seqcompile.demo import GPT, toy_batch
 from seqcompile.report import collecting
 
 BUDGETS = (1.0, 0.5, 0.25)
@@ -57,21 +56,8 @@ def run(model, compiled, config, *, batch, length, steps, device) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run on CPU")
-    parser.add_argument("--no-inductor", action="store_true", help="leave plain Inductor out")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--output", help="append the markdown table to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.quick:
-        config = GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2)
-        batch, length, steps = 2, 16, 1
-    else:
-        config = dataclasses.replace(GPT2_SMALL, max_len=args.length)
-        batch, length, steps = args.batch, args.length, args.steps
+    args, device, config, batch, length = model_setup(__doc__, extra=[("--steps", 5)])
+    steps = 1 if args.quick else args.steps
     torch.manual_seed(0)
     base = GPT(config).to(device)
     cases = [("eager", "-", "-", None)]

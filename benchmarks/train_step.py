@@ -6,15 +6,13 @@ memory for eager, Inductor and seqfast, with ratios to eager, measured in one ru
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
 import time
 
 import torch
 
-from benchmarks.common import emit, header, table
-from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
+from benchmarks.common import emit, header, model_setup, table
+from seqcompile.demo import GPT, toy_batch
 
 
 def measure(model, step_model, config, *, batch, length, steps, warmup, device, dtype):
@@ -44,21 +42,9 @@ def measure(model, step_model, config, *, batch, length, steps, warmup, device, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run on CPU")
-    parser.add_argument("--no-inductor", action="store_true", help="leave plain Inductor out")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--output", help="append the markdown table to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, config, batch, length = model_setup(__doc__)
     dtype = torch.bfloat16
-    if args.quick:
-        config = GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2)
-        batch, length, steps, warmup = 2, 16, 3, 2
-    else:
-        config = dataclasses.replace(GPT2_SMALL, max_len=args.length)
-        batch, length, steps, warmup = args.batch, args.length, 20, 5
+    steps, warmup = (3, 2) if args.quick else (20, 5)
     torch.manual_seed(0)
     base = GPT(config).to(device)
     executors = {"eager": lambda m: m, "seqfast": lambda m: torch.compile(m, backend="seqfast")}

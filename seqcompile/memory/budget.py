@@ -5,8 +5,9 @@ The model: the backward needs some forward values; each needed value is either k
 is recomputed, its own inputs are needed in its place, back to what is kept. Starting from the
 save-everything plan (only the user's checkpoint regions recomputed), a greedy loop recomputes the
 move that frees the most kept bytes per second of recompute on the device roofline, until the kept
-bytes fit the budget. A move is one kept value alone (its inputs become kept) or the value with
-the chain of unkept values it is computed from. Views and tuple selections are free to recompute,
+bytes fit the budget. A move is one kept value alone (its inputs become kept), the value with
+the chain of unkept values it is computed from, or the chains of every kept value sharing its
+storage (views of one tensor are freed together). Views and tuple selections are free to recompute,
 norms and pointwise regions cheap, matmuls and attention dear. The chosen nodes are tagged for
 recomputation the way torch tags checkpoint regions (with no region id, so no boundary
 between them is kept), and the partitioner places them.
@@ -75,14 +76,13 @@ def plan_recompute(
     for node in chosen:  # no region id: the plan has no region boundary to keep
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta.pop("ac_graph_id", None)
-    cost = total_cost(chosen)
     return RecomputePlan(
         budget=str(budget),
         target_bytes=target,
         baseline_bytes=baseline,
         planned_bytes=model.kept_bytes,
         recomputed=tuple(n.name for n in chosen),
-        cost=cost,
+        cost=total_cost(chosen, model.cost),
         seconds=sum(model.cost(n).seconds(roofline) for n in chosen),
         reachable=model.kept_bytes <= target,
     )

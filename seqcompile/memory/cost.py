@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 import seqcompile.ops.attention  # noqa: F401  (registers the ops whose FLOPs are listed here)
 import seqcompile.ops.linear_cross_entropy  # noqa: F401
 from seqcompile.fx_utils import concrete, fake_values, val
+from seqcompile.memory.estimate import tensor_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,9 @@ class NodeCost:
 FREE = NodeCost(0, 0)
 
 
-def total_cost(nodes: list[Node]) -> NodeCost:
-    costs = [node_cost(n) for n in nodes]
+def total_cost(nodes: list[Node], cost: Callable[[Node], NodeCost] | None = None) -> NodeCost:
+    """The summed cost of `nodes`, each priced by `cost` (default `node_cost`)."""
+    costs = [(cost or node_cost)(n) for n in nodes]
     return NodeCost(sum(c.flops for c in costs), sum(c.moved_bytes for c in costs))
 
 
@@ -113,6 +115,4 @@ def _flops(target: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> i
 
 
 def _bytes(value: Any) -> int:
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return concrete(value.numel()) * value.element_size()
+    return tensor_bytes(value) if isinstance(value, torch.Tensor) else 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
-from seqcompile.report import collecting
+from seqcompile.report import CompileReport, collecting
 from tests.memory.test_checkpoint import CheckpointedGPT
 
 CONFIG = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
@@ -83,15 +83,9 @@ def test_an_unreachable_budget_is_reported_and_the_least_reachable_plan_kept(gpt
         loss, _, plan = step(gpt, memory_budget="2B")
     assert not plan.budget.reachable
     assert "not reachable" in caplog.text
-    assert "NOT reachable" in _report_text(plan)
+    assert "NOT reachable" in str(CompileReport(memory=[plan]))
     assert plan.step.kept_bytes < quarter.step.kept_bytes
     assert torch.isfinite(loss)
-
-
-def _report_text(plan):
-    from seqcompile.report import _memory_lines
-
-    return "\n".join(_memory_lines(plan))
 
 
 def test_user_checkpoints_stay_recomputed_under_a_budget():
@@ -108,9 +102,8 @@ def test_user_checkpoints_stay_recomputed_under_a_budget():
 
 @pytest.mark.parametrize("budget", [0.5, 0.25])
 def test_torchs_budgeted_partitioner_runs_on_the_same_graph_and_keeps_dropout_masks(gpt, budget):
-    loss, grads, _ = step(gpt, partition="min_cut")
+    loss, grads, plain_min_cut = step(gpt, partition="min_cut")
     torch_loss, torch_grads, by_torch = step(gpt, checkpoint="torch", memory_budget=budget)
-    _, _, plain_min_cut = step(gpt, partition="min_cut")
     assert by_torch.partitioner == "min_cut" and by_torch.budget is None
     assert by_torch.step.kept_bytes < plain_min_cut.step.kept_bytes
     # its knapsack would recompute the dropout seed, drawing other masks: the seed is kept
