@@ -29,8 +29,8 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile.codegen import prepare_kernel
-from seqcompile.memory import accumulate, budget, estimate
-from seqcompile.memory.cost import roofline_for, total_cost
+from seqcompile.memory import accumulate, budget
+from seqcompile.memory.cost import node_cost, roofline_for, total_cost
 from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
 from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
@@ -161,10 +161,9 @@ def plan_memory(
     joint_forward = {n.name for n in budget.forward_nodes(joint)}
     options = state.options
     plan = None
+    roofline = roofline_for(_device(state))
     if options.checkpoint == "auto" and not options.memory_budget.unlimited:
-        plan = budget.plan_recompute(
-            joint, num_fwd_outputs, options.memory_budget, roofline_for(_device(state))
-        )
+        plan = budget.plan_recompute(joint, num_fwd_outputs, options.memory_budget, roofline)
         if not plan.reachable:
             log.warning(
                 "%s: memory budget %s (%d bytes) is not reachable; the plan keeps %d bytes",
@@ -179,7 +178,7 @@ def plan_memory(
         forward, backward = partition(
             joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
         )
-    recomputed = total_cost(budget.recomputed_in(backward, joint_forward))
+    redone = budget.recomputed_in(backward, joint_forward)
     for spec in fold_gradient_sums(backward):
         state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
     written_over = (
@@ -191,10 +190,12 @@ def plan_memory(
         state.accumulation = accumulate.accumulate_into_grads(backward, positions)
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
-    count, total, fused = estimate.kept_activation_bytes(forward, num_fwd_outputs)
-    step = step_memory(forward, backward, num_fwd_outputs, _parameters(state))
+    step = step_memory(forward, backward, num_fwd_outputs, _parameters(state), redone)
+    step_seconds = sum(
+        node_cost(n).seconds(roofline) for gm in (forward, backward) for n in gm.graph.nodes
+    )
     state.report.memory.append(
-        MemoryPlan(state.name, strategy, count, total, fused, written_over, step, plan, recomputed)
+        MemoryPlan(state.name, strategy, step, written_over, plan, total_cost(redone), step_seconds)
     )
     return forward, backward
 

@@ -29,23 +29,22 @@ class Missed:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """What one training graph's forward keeps for its backward, at the traced sizes."""
+    """What one training graph's step holds in memory, at the traced sizes."""
 
     graph: str
     partitioner: str
-    saved_tensors: int
-    saved_bytes: int
-    fused_op_bytes: int
-    """Part of `saved_bytes` produced by fused operators (their sums and row statistics)."""
+    step: StepMemory
+    """Kept bytes by kind, the peak, and the live bytes over the forward-then-backward schedule."""
     written_over_bytes: int = 0
     """Bytes the backward writes its results over (saved tensors it reads last) instead of
     allocating them."""
-    step: StepMemory | None = None
-    """The step's live bytes over its forward-then-backward schedule."""
     budget: RecomputePlan | None = None
     """What the memory budget made the planner recompute (None without a budget)."""
     recompute: NodeCost | None = None
     """FLOPs and bytes of the forward work the backward redoes, whoever chose it."""
+    step_seconds: float = 0.0
+    """The forward's and backward's nodes priced one by one on the device roofline: an estimate
+    for comparing plans, not a measurement."""
 
 
 @dataclasses.dataclass
@@ -87,41 +86,44 @@ class CompileReport:
 
 
 def _memory_lines(m: MemoryPlan) -> list[str]:
-    kept = (
-        f"  {m.graph}: kept for the backward {m.saved_tensors} tensors, {_size(m.saved_bytes)}"
-        f" ({_size(m.fused_op_bytes)} from fused ops), partitioner {m.partitioner}"
-    )
+    step = m.step
+    lines = [
+        f"  {m.graph}: kept for the backward {step.kept_tensors} tensors,"
+        f" {format_bytes(step.kept_bytes)} (fused-op saves {format_bytes(step.kept_fused_bytes)},"
+        f" other saves {format_bytes(step.kept_bytes - step.kept_fused_bytes)});"
+        f" recomputed instead {format_bytes(step.recomputed_bytes)}; partitioner {m.partitioner}"
+    ]
     if m.written_over_bytes:
-        kept += f"; {_size(m.written_over_bytes)} reused by the backward"
-    lines = [kept]
+        reused = format_bytes(m.written_over_bytes)
+        lines.append(f"    {reused} of it reused by the backward for its results")
     if m.recompute is not None and m.recompute.flops + m.recompute.moved_bytes:
         lines.append(
             f"    recomputed in the backward: {m.recompute.flops / 1e9:.3g} GFLOP,"
-            f" {_size(m.recompute.moved_bytes)} moved"
+            f" {format_bytes(m.recompute.moved_bytes)} moved"
         )
     if m.budget is not None:
         lines.append(f"    {_budget_line(m.budget)}")
-    if m.step is not None:
-        step = m.step
-        lines.append(
-            f"    peak {_size(step.peak_bytes)} at {step.peak_node} (activations and gradients);"
-            f" parameters {_size(step.parameter_bytes)}, parameters' gradients"
-            f" {_size(step.gradient_bytes)}, other inputs {_size(step.input_bytes)}"
-        )
+    lines.append(
+        f"    peak {format_bytes(step.peak_bytes)} at {step.peak_node} (activations and gradients);"
+        f" parameters {format_bytes(step.parameter_bytes)}, parameters' gradients"
+        f" {format_bytes(step.gradient_bytes)}, other inputs {format_bytes(step.input_bytes)}"
+    )
     return lines
 
 
 def _budget_line(plan: RecomputePlan) -> str:
     verdict = "met" if plan.reachable else "NOT reachable, the least the planner found"
     return (
-        f"memory budget {plan.budget}: target {_size(plan.target_bytes)} of"
-        f" {_size(plan.baseline_bytes)} saved without it; plan keeps"
-        f" {_size(plan.planned_bytes)} ({verdict}) by recomputing {len(plan.recomputed)} nodes,"
+        f"memory budget {plan.budget}: target {format_bytes(plan.target_bytes)} of"
+        f" {format_bytes(plan.baseline_bytes)} saved without it; plan keeps"
+        f" {format_bytes(plan.planned_bytes)} ({verdict})"
+        f" by recomputing {len(plan.recomputed)} nodes,"
         f" {plan.cost.flops / 1e9:.3g} GFLOP, ~{plan.seconds * 1e6:.0f} us on the device roofline"
     )
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """`n` bytes in B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

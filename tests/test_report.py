@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import seqcompile
+from seqcompile.report import format_bytes
 
 
 class TwoSites(nn.Module):
@@ -31,9 +32,12 @@ def test_explain_counts_refusals_kernels_and_memory():
     templates = {k.template for k in report.kernels}
     assert templates == {"add_norm_fwd", "add_norm_bwd", "column_sum"}
     assert all(k.path.exists() for k in report.kernels)
-    assert len(report.memory) == 1 and report.memory[0].fused_op_bytes > 0
+    assert len(report.memory) == 1 and report.memory[0].step.kept_fused_bytes > 0
     text = str(report)
     assert "norm  1" in text and "last 2 dimensions" in text and "add_norm_fwd_" in text
+    step = report.memory[0].step
+    assert f"fused-op saves {format_bytes(step.kept_fused_bytes)}" in text
+    assert "parameters' gradients" in text and "peak" in text
 
 
 def test_explain_recompiles_a_model_compiled_before():

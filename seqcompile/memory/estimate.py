@@ -1,4 +1,4 @@
-"""Byte counts of the values a partitioned forward graph keeps for its backward, evaluated at the
+"""What a partitioned forward graph keeps for its backward, and byte counts of values at the
 sizes the graph was traced with."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile.fx_utils import concrete, tensor_val
+from seqcompile.fx_utils import concrete
 
 
 def tensor_bytes(value: torch.Tensor) -> int:
@@ -37,23 +36,3 @@ def is_fused_output(node: Node) -> bool:
     source = node.args[0] if node.target is operator.getitem else node
     target = getattr(source, "target", None)
     return isinstance(target, torch._ops.OpOverload) and target.namespace == "seqfast"
-
-
-def kept_activation_bytes(forward: GraphModule, num_fwd_outputs: int) -> tuple[int, int, int]:
-    """(tensor count, bytes, bytes from fused ops) of the saved activations, leaving out graph
-    inputs such as parameters, and views of them, which live on regardless."""
-    inputs = {
-        StorageWeakRef(v.untyped_storage())
-        for n in forward.graph.nodes
-        if n.op == "placeholder" and (v := tensor_val(n)) is not None
-    }
-    count = total = fused = 0
-    for node in saved_values(forward, num_fwd_outputs):
-        value = tensor_val(node)
-        if value is None or StorageWeakRef(value.untyped_storage()) in inputs:
-            continue
-        size = tensor_bytes(value)
-        count, total = count + 1, total + size
-        if is_fused_output(node):
-            fused += size
-    return count, total, fused

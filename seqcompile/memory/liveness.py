@@ -11,7 +11,7 @@ counted apart. A fused operator's workspace is live while it runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from seqcompile.fx_utils import concrete, fake_values, val
-from seqcompile.memory.estimate import graph_outputs, saved_values
+from seqcompile.memory.estimate import graph_outputs, is_fused_output, saved_values
 from seqcompile.ops import linear_cross_entropy
 
 WORKSPACES: dict[Any, Callable[..., int]] = {
@@ -34,6 +34,11 @@ values."""
 class StepMemory:
     kept_bytes: int
     """What the forward computes and keeps for the backward."""
+    kept_tensors: int
+    kept_fused_bytes: int
+    """Part of `kept_bytes` that fused operators made (their outputs, sums and row statistics)."""
+    recomputed_bytes: int
+    """What the backward recomputes instead of keeping (checkpoint regions, the memory budget)."""
     kept_input_bytes: int
     """Graph inputs other than parameters that the backward reads (the batch, or activations
     an earlier graph made): kept alive for the backward too."""
@@ -53,19 +58,33 @@ class StepMemory:
 
 
 def step_memory(
-    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, parameters: set[str]
+    forward: GraphModule,
+    backward: GraphModule,
+    num_fwd_outputs: int,
+    parameters: set[str],
+    recomputed: Iterable[Node] = (),
 ) -> StepMemory:
-    """The step's memory; `parameters` names the forward's placeholders that are parameters."""
+    """The step's memory; `parameters` names the forward's placeholders that are parameters and
+    `recomputed` the backward's nodes that redo forward work."""
     forward_out = graph_outputs(forward)
     placeholders = forward.graph.find_nodes(op="placeholder")
     inputs = {key: size for n in placeholders for key, size in storages(n)}
     params = {key: size for n in placeholders if n.name in parameters for key, size in storages(n)}
     user = {key for n in forward_out[:num_fwd_outputs] for key, _ in storages(n)}
+    kept_nodes = saved_values(forward, num_fwd_outputs)
     kept = {
         key: size
-        for n in saved_values(forward, num_fwd_outputs)
+        for n in kept_nodes
         for key, size in storages(n)
         if key not in params and key not in user
+    }
+    made = {key for n in kept_nodes for key, _ in storages(n) if key in kept and key not in inputs}
+    fused = {key for n in kept_nodes if is_fused_output(n) for key, _ in storages(n)}
+    redone = {
+        key: size
+        for n in recomputed
+        for key, size in storages(n)
+        if key not in inputs and key not in kept
     }
     live: dict[StorageWeakRef, int] = {}
     held = {key for n in forward_out for key, _ in storages(n)}
@@ -74,7 +93,10 @@ def step_memory(
     bwd = _walk(backward, inputs, user | set(grads), live)
     peak_bytes, peak_node = max(fwd.peak, bwd.peak)
     return StepMemory(
-        kept_bytes=sum(size for key, size in kept.items() if key not in inputs),
+        kept_bytes=sum(kept[key] for key in made),
+        kept_tensors=sum(1 for n in kept_nodes if any(key in made for key, _ in storages(n))),
+        kept_fused_bytes=sum(kept[key] for key in made & fused),
+        recomputed_bytes=sum(redone.values()),
         kept_input_bytes=sum(size for key, size in kept.items() if key in inputs),
         peak_bytes=peak_bytes,
         peak_node=peak_node,

@@ -45,6 +45,7 @@ def test_a_budget_fits_the_kept_bytes_and_leaves_the_numerics_alone(gpt, rest, b
     if budget == 1.0:
         assert budgeted.budget is None
         assert budgeted.step.kept_bytes == plan.step.kept_bytes
+        assert budgeted.step.recomputed_bytes == 0
         return
     assert budgeted.budget.reachable
     assert budgeted.budget.baseline_bytes >= plan.step.kept_bytes
@@ -52,6 +53,9 @@ def test_a_budget_fits_the_kept_bytes_and_leaves_the_numerics_alone(gpt, rest, b
     # the planner's model of the partition is the partition
     assert budgeted.step.kept_bytes == budgeted.budget.planned_bytes
     assert budgeted.recompute.flops > 0
+    # whatever the budget stopped keeping, the backward makes again
+    assert budgeted.step.kept_bytes + budgeted.step.recomputed_bytes >= plan.step.kept_bytes
+    assert "recomputed instead" in str(CompileReport(memory=[budgeted]))
 
 
 def test_the_planner_recomputes_cheap_values_first_and_keeps_attention():

@@ -47,7 +47,7 @@ def step(model, rest, checkpointed):
 
 
 def kept(report):
-    return sum(plan.saved_bytes for plan in report.memory)
+    return sum(plan.step.kept_bytes for plan in report.memory)
 
 
 @pytest.mark.parametrize("rest", ["eager", "inductor"])

@@ -22,6 +22,6 @@ def test_fused_op_keeps_its_sum_and_row_statistics():
         torch.compile(PostLN(d), backend="seqfast")(x, h)
     (plan,) = report.memory
     sum_bytes, stats_bytes = rows * d * 4, 2 * rows * 4
-    assert plan.fused_op_bytes == sum_bytes + stats_bytes
+    assert plan.step.kept_fused_bytes == sum_bytes + stats_bytes
     # besides that, only the linear's input is kept: it is a graph input, so not counted
-    assert plan.saved_bytes == plan.fused_op_bytes
+    assert plan.step.kept_bytes == plan.step.kept_fused_bytes
