@@ -62,6 +62,8 @@ def model_setup(doc: str, extra: Sequence[tuple[str, int]] = ()) -> ModelSetup:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type == "meta":
+        return "none: compiled on the meta device on a CPU host, nothing ran"
     return "cpu"
 
 

@@ -22,6 +22,14 @@ CHECKPOINT_CHOICES = ("auto", "none", "torch")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+def size_with_unit(text: str) -> int | None:
+    """Bytes in a size such as "6GiB", "512 MB" or "100B" (None if `text` is not one)."""
+    match = re.fullmatch(
+        r"(\d+(?:\.\d+)?)(B|KB|MB|GB|KIB|MIB|GIB)", text.strip().upper().replace(" ", "")
+    )
+    return int(float(match[1]) * _UNITS[match[2]]) if match else None
+
+
 class OptionError(ValueError):
     """An unknown option name or an invalid value."""
 
@@ -80,9 +88,9 @@ class Budget:
         ValueError otherwise."""
         if isinstance(value, str):
             text = value.strip().upper().replace(" ", "")
-            match = re.fullmatch(r"(\d+(?:\.\d+)?)(B|KB|MB|GB|KIB|MIB|GIB)", text)
-            if match:
-                return cls(size=int(float(match[1]) * _UNITS[match[2]]))
+            size = size_with_unit(text)
+            if size is not None:
+                return cls(size=size)
             try:
                 value = int(text) if text.isdigit() else float(text)
             except ValueError:

@@ -21,6 +21,15 @@ def request_interpreter_if_asked() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+FUSED_OP_DEVICES = ("cpu", "cuda", "meta")
+"""Devices fused ops run on: CUDA launches the kernels, CPU the interpreter or the reference, and
+meta the reference on shapes alone (what `plan_batch` compiles on)."""
+
+
+def runs_fused_ops(device: torch.device) -> bool:
+    return device.type in FUSED_OP_DEVICES
+
+
 def use_kernels(tensor: torch.Tensor) -> bool:
     """True when a fused op on `tensor` should launch its generated kernels."""
     if tensor.device.type == "cuda":

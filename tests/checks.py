@@ -13,6 +13,7 @@ from conftest import assert_close
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile.backend import seqfast
+from seqcompile.demo import GPTConfig, toy_batch
 from seqcompile.report import CompileReport, collecting
 
 
@@ -110,3 +111,14 @@ def saved_bytes(step, lasting):
         loss = step()
     loss.backward()
     return sum(saved.values())
+
+
+TINY_GPT = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+"""The demo GPT small enough for a compile in a second: the memory tests' model."""
+
+
+def tiny_gpt_batch(size: int = 2, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and targets for `TINY_GPT`, each in a storage of its own (as a data loader gives
+    them, and as a compile on the meta device sees them)."""
+    batch = toy_batch(TINY_GPT, size, length, torch.device("cpu"), torch.Generator())
+    return tuple(t.contiguous() for t in batch)

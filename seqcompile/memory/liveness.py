@@ -51,10 +51,31 @@ class StepMemory:
     """The other graph inputs: the batch, or what an earlier graph made."""
     gradient_bytes: int
     """What the backward returns: the inputs' gradients."""
-    timeline: tuple[int, ...]
-    """Live bytes after each node, the forward's then the backward's."""
-    forward_nodes: int
-    """How many of `timeline`'s entries belong to the forward."""
+    timeline: Timeline
+    """Live bytes after each call in the graphs, the forward's then the backward's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Live bytes after each step of a schedule (an op, or a graph node), the forward's then the
+    backward's."""
+
+    values: tuple[int, ...]
+    forward_steps: int
+    """How many of `values` belong to the forward."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.values, default=0)
+
+    @property
+    def after_forward(self) -> int:
+        """What the forward leaves live: what it keeps for the backward and returns."""
+        return self.values[self.forward_steps - 1] if self.forward_steps else 0
+
+    @property
+    def after_backward(self) -> int:
+        return self.values[-1] if self.values else 0
 
 
 def step_memory(
@@ -103,8 +124,7 @@ def step_memory(
         parameter_bytes=sum(params.values()),
         input_bytes=sum(size for key, size in inputs.items() if key not in params),
         gradient_bytes=sum(size for key, size in grads.items() if key not in inputs),
-        timeline=fwd.timeline + bwd.timeline,
-        forward_nodes=len(fwd.timeline),
+        timeline=Timeline(fwd.timeline + bwd.timeline, len(fwd.timeline)),
     )
 
 
@@ -137,7 +157,8 @@ def _walk(
         peak = max(peak, (running, node.name))
         for key in [k for k in live if last.get(k, -1) <= i and k not in held]:
             del live[key]
-        timeline.append(sum(live.values()))
+        if node.op == "call_function":
+            timeline.append(sum(live.values()))
     return _Walk(tuple(timeline), peak)
 
 

@@ -18,6 +18,7 @@ import math
 import torch
 from torch.fx import Node
 
+from seqcompile import runtime
 from seqcompile.fx_utils import (
     arg,
     barrier_between,
@@ -303,7 +304,7 @@ def _check(site: Site) -> Reject | None:
     for t in (q, k, v):
         if t.dtype not in attention_op.DTYPES:
             return Reject("dtype {} is not supported (float32, float16, bfloat16)", t.dtype)
-        if t.device.type not in ("cpu", "cuda"):
+        if not runtime.runs_fused_ops(t.device):
             return Reject("device {} has neither kernels nor a reference here", t.device)
     head_dim = q.shape[-1]
     if not isinstance(head_dim, int):

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 from torch.fx import Node
 
+from seqcompile import runtime
 from seqcompile.fx_utils import (
     arg,
     barrier_between,
@@ -231,7 +232,7 @@ def _check(core: Core, prologue: Prologue) -> Reject | None:
         v = tensor_val(node)
         if v is not None and v.dtype not in norm_op.DTYPES:
             return Reject("dtype {} is not supported (float32, float16, bfloat16)", v.dtype)
-        if v is not None and v.device.type not in ("cpu", "cuda"):
+        if v is not None and not runtime.runs_fused_ops(v.device):
             return Reject("device {} has neither kernels nor a reference here", v.device)
     if prologue.p >= 1:
         return Reject("dropout p={} drops every element", prologue.p)

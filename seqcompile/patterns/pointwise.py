@@ -12,6 +12,7 @@ import numbers
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from seqcompile import runtime
 from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
 from seqcompile.fx_utils import (
@@ -72,7 +73,7 @@ def refusal(node: Node) -> Reject | None:
     if node.target not in SUPPORTED:
         return Reject("{} is not supported by the pointwise fuser", node.target)
     out = tensor_val(node)
-    if out is None or out.dtype not in _DTYPES or out.device.type not in ("cuda", "cpu"):
+    if out is None or out.dtype not in _DTYPES or not runtime.runs_fused_ops(out.device):
         return Reject("{} produces a value the kernels do not take", node.target)
     for a in [*node.args, *node.kwargs.values()]:
         if isinstance(a, Node):

@@ -7,12 +7,13 @@ import logging
 
 import pytest
 import torch
+from checks import TINY_GPT
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.report import CompileReport, collecting
 from tests.memory.test_checkpoint import CheckpointedGPT
 
-CONFIG = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+CONFIG = TINY_GPT
 
 
 def step(model, config=CONFIG, batch=2, length=16, **options):

@@ -7,13 +7,14 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import TINY_GPT
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.demo import GPT, toy_batch
 from seqcompile.report import collecting
 
 
@@ -30,7 +31,7 @@ class CheckpointedGPT(GPT):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-CONFIG = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+CONFIG = TINY_GPT
 
 
 def step(model, rest, checkpointed):
