@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from seqcompile.memory import dry_run
@@ -136,6 +137,7 @@ def plan_batch(
     *,
     options: dict[str, Any] | None = None,
     optimizer_state: float = 2.0,
+    compute_dtype: torch.dtype | None = None,
     budgets: Sequence[float] = BUDGETS,
     quiet: bool = False,
 ) -> BatchPlan:
@@ -148,7 +150,10 @@ def plan_batch(
     the batch dimension first. Nothing runs on it; the model is compiled on the meta device.
     `optimizer_state` is the optimizer's state as a multiple of the trainable parameters' bytes
     (Adam and AdamW: 2, SGD with momentum: 1, plain SGD: 0). `options` are further seqfast
-    options for the compile (not `memory_budget`, which this chooses).
+    options for the compile (not `memory_budget`, which this chooses). `compute_dtype` is the
+    dtype activations have in training (`torch.bfloat16` under bf16 autocast): the compile on the
+    meta device casts floating parameters and inputs to it, while parameters, gradients and
+    optimizer state are counted in the dtype the model has (fp32 master weights).
 
     The estimate is conservative in one place: with accumulation, gradients made by a
     micro-batch's backward are counted on top of the held `.grad`s, which `accumulate_grads`
@@ -163,7 +168,16 @@ def plan_batch(
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"budgets must be fractions in (0, 1]; got {budgets!r}")
     batch = dry_run.as_batch(example_batch)
-    planner = _Planner(model, batch, options, target_batch, limit, budgets, optimizer_state)
+    planner = _Planner(
+        model,
+        batch,
+        options=options,
+        target_batch=target_batch,
+        limit=limit,
+        budgets=tuple(budgets),
+        fixed=_Fixed.of(model, optimizer_state),
+        dtype=compute_dtype,
+    )
     plan = planner.plan()
     if not quiet:
         print(plan, end="")
@@ -174,20 +188,31 @@ class _Planner:
     """The search: candidates on the budgets' curves, the fastest that fits checked by a compile
     at its own size until one is both estimated and measured to fit."""
 
-    def __init__(self, model, batch, options, target_batch, limit, budgets, optimizer_state):
-        self.meta_model = dry_run.meta_copy(model)
-        self.batch, self.options = batch, options
-        self.target_batch, self.limit, self.budgets = target_batch, limit, tuple(budgets)
-        self.fixed = _Fixed.of(model, optimizer_state)
-        self.curves = {budget: Curve() for budget in self.budgets}
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        *,
+        options: dict[str, Any],
+        target_batch: int,
+        limit: int,
+        budgets: tuple[float, ...],
+        fixed: _Fixed,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.meta_model = dry_run.meta_copy(model, dtype)
+        self.batch, self.options, self.dtype = batch, options, dtype
+        self.target_batch, self.limit = target_batch, limit
+        self.budgets, self.fixed = budgets, fixed
+        self.curves = {budget: Curve() for budget in budgets}
         self.sizes = [m for m in range(target_batch, 0, -1) if target_batch % m == 0]
         base = dry_run.batch_size(batch)
-        for budget in self.budgets:
+        for budget in budgets:
             for size in sorted({base, 2 * base, target_batch}):
                 self.measure(size, budget)
 
     def measure(self, size: int, budget: float) -> None:
-        batch = dry_run.at_batch_size(self.batch, size)
+        batch = dry_run.at_batch_size(self.batch, size, self.dtype)
         plans = dry_run.memory_plans(
             self.meta_model, batch, {**self.options, "memory_budget": budget}
         )

@@ -96,3 +96,15 @@ def test_bad_arguments_are_refused(model, arguments, message):
     call.update(arguments)
     with pytest.raises(ValueError, match=message):
         seqcompile.plan_batch(model, quiet=True, **call)
+
+
+def test_a_compute_dtype_halves_the_activations_and_keeps_the_master_weights(model, roomy):
+    half = seqcompile.plan_batch(
+        model, tiny_gpt_batch(), "1GiB", TARGET, budgets=(1.0,), compute_dtype=torch.bfloat16
+    )
+    ratio = half.full_batch[0].activation_bytes / roomy.full_batch[0].activation_bytes
+    assert 0.45 < ratio < 0.6  # a few values (row statistics, the loss) stay float32
+    assert (half.parameter_bytes, half.gradient_bytes) == (
+        roomy.parameter_bytes,
+        roomy.gradient_bytes,
+    )

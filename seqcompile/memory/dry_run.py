@@ -20,12 +20,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from seqcompile.report import MemoryPlan, collecting
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """`model` with every parameter and buffer replaced by an empty meta tensor of its shape;
-    tied weights stay tied, and the original's data is never copied."""
+def meta_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """`model` with every parameter and buffer replaced by an empty meta tensor of its shape (and
+    floating ones of `dtype`, when given); tied weights stay tied, and the original's data is
+    never copied."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        empty = torch.empty_like(tensor, device="meta")
+        empty = torch.empty_like(tensor, device="meta", dtype=_cast(tensor, dtype))
         if isinstance(tensor, nn.Parameter):
             empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = empty
@@ -50,9 +51,9 @@ def batch_size(batch: Any) -> int:
     raise ValueError("the example batch holds no tensor with a batch dimension")
 
 
-def at_batch_size(batch: Any, size: int) -> Any:
+def at_batch_size(batch: Any, size: int, dtype: torch.dtype | None = None) -> Any:
     """`batch` on the meta device with every tensor whose leading size is the batch's set to
-    `size`; other values are kept."""
+    `size` (and floating tensors of `dtype`, when given); other values are kept."""
     current = batch_size(batch)
 
     def resize(value: Any) -> Any:
@@ -61,7 +62,7 @@ def at_batch_size(batch: Any, size: int) -> Any:
         shape = list(value.shape)
         if shape and shape[0] == current:
             shape[0] = size
-        return torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(
+        return torch.empty(shape, dtype=_cast(value, dtype), device="meta").requires_grad_(
             value.requires_grad
         )
 
@@ -91,6 +92,10 @@ def memory_plans(model: nn.Module, batch: Any, options: dict[str, Any]) -> list[
             " mode on"
         )
     return report.memory
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 @contextlib.contextmanager

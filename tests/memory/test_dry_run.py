@@ -76,3 +76,13 @@ def test_a_model_without_trainable_parameters_is_refused():
     batch = tiny_gpt_batch()
     with pytest.raises(ValueError, match="no training graph"):
         dry_run.memory_plans(dry_run.meta_copy(model), dry_run.at_batch_size(batch, 2), {})
+
+
+def test_a_compute_dtype_casts_floating_weights_and_inputs_only():
+    copy = dry_run.meta_copy(GPT(CONFIG), torch.bfloat16)
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in copy.buffers()} == {torch.bool}  # the causal masks
+    batch = dry_run.at_batch_size(
+        (torch.zeros(2, 3, dtype=torch.long), torch.ones(2)), 4, torch.bfloat16
+    )
+    assert [t.dtype for t in batch] == [torch.long, torch.bfloat16]
