@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from seqcompile.memory import dry_run
-from seqcompile.options import size_with_unit
+from seqcompile.options import Options, size_with_unit
 from seqcompile.report import MemoryPlan, format_bytes
 
 BUDGETS = (1.0, 0.5, 0.25)
@@ -165,6 +165,7 @@ def plan_batch(
     options = dict(options or {})
     if "memory_budget" in options:
         raise ValueError("plan_batch chooses memory_budget itself; pass budgets=(...) instead")
+    Options.resolve(options)  # a bad option is refused here, before any compile
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"budgets must be fractions in (0, 1]; got {budgets!r}")
     batch = dry_run.as_batch(example_batch)

@@ -89,6 +89,7 @@ def test_sizes_between_measured_ones_lie_on_the_line_through_the_nearest():
         (dict(options={"memory_budget": 0.5}), "chooses memory_budget itself"),
         (dict(budgets=(1.0, 1.5)), "budgets must be fractions"),
         (dict(example_batch=("text",)), "no tensor with a batch dimension"),
+        (dict(options={"budget": 0.5}), "unknown seqfast option"),
     ],
 )
 def test_bad_arguments_are_refused(model, arguments, message):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TOLERANCES
 
+import seqcompile
 import seqcompile.ops.attention as attention_op
 import seqcompile.ops.norm as norm_op
 from seqcompile.demo import GPT, GPTConfig, train
@@ -194,3 +195,33 @@ def test_the_memory_models_peak_is_within_15_percent_of_cuda(rest):
     (plan,) = report.memory
     predicted = plan.step.peak_bytes
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+
+def test_plan_batchs_choice_trains_within_its_memory_limit():
+    """The micro-batch, steps and options plan_batch chooses, run for real: the step's peak
+    allocation (parameters, gradients and Adam's state included) stays within the limit, which
+    is set where the whole batch does not fit."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
+    model = GPT(config).to(cuda)
+    example = tuple(torch.randint(config.vocab, (2, 512), device=cuda) for _ in range(2))
+    probe = seqcompile.plan_batch(model, example, 2**40, 32, quiet=True)
+    limit = int(0.5 * probe.full_batch[0].total_bytes)
+    plan = seqcompile.plan_batch(model, example, limit, 32)
+    chosen = plan.chosen
+    assert chosen is not None and chosen.steps > 1
+    optimizer = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend="seqfast", options=plan.options)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):  # the second optimizer step runs with Adam's state allocated
+        for _ in range(chosen.steps):
+            idx, targets = (
+                torch.randint(config.vocab, (chosen.micro_batch, 512), device=cuda)
+                for _ in range(2)
+            )
+            compiled(idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() <= limit

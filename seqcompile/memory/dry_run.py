@@ -17,6 +17,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.convert_frame import input_codes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from seqcompile.options import OptionError
 from seqcompile.report import MemoryPlan, collecting
 
 
@@ -82,6 +83,8 @@ def memory_plans(model: nn.Module, batch: Any, options: dict[str, Any]) -> list[
         )
         try:
             compiled(*args, **kwargs)
+        except OptionError:
+            raise
         except Exception as error:
             raise RuntimeError(
                 f"the model could not be compiled on the meta device to plan its memory: {error}"
