@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from seqcompile.memory import dry_run
+from seqcompile.memory.estimate import tensor_bytes
+from seqcompile.memory.liveness import combined_peak
 from seqcompile.options import Options, size_with_unit
-from seqcompile.report import MemoryPlan, format_bytes
+from seqcompile.report import format_bytes
 
 BUDGETS = (1.0, 0.5, 0.25)
 """Memory budgets tried by default, most kept (least recompute) first."""
@@ -65,6 +68,9 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
+    """What `plan_batch` found: the fixed memory, the alternatives, the choice and the options
+    to compile with. `str(plan)` says why."""
+
     target_batch: int
     memory_limit: int
     parameter_bytes: int
@@ -108,9 +114,7 @@ class BatchPlan:
         lines.append("  largest micro-batch that fits, per budget:")
         lines += [f"    {_describe(c)}" for c in self.best_per_budget] or ["    (none fits)"]
         if self.chosen is None:
-            lines.append(
-                "  nothing fits: a micro-batch of 1 exceeds the limit at every budget tried"
-            )
+            lines.append("  nothing fits: no micro-batch fits the limit at any budget tried")
             return "\n".join(lines) + "\n"
         c = self.chosen
         lines += [
@@ -132,7 +136,7 @@ def _describe(c: Candidate) -> str:
 def plan_batch(
     model: nn.Module,
     example_batch: Any,
-    memory_limit: int | str,
+    memory_limit: int | float | str,
     target_batch: int,
     *,
     options: dict[str, Any] | None = None,
@@ -153,11 +157,14 @@ def plan_batch(
     options for the compile (not `memory_budget`, which this chooses). `compute_dtype` is the
     dtype activations have in training (`torch.bfloat16` under bf16 autocast): the compile on the
     meta device casts floating parameters and inputs to it, while parameters, gradients and
-    optimizer state are counted in the dtype the model has (fp32 master weights).
+    optimizer state are counted in the dtype the model has (fp32 master weights), the gradients
+    in flight too. Autocast's own copies of the weights in the compute dtype, and the ops it runs
+    in float32, are not modelled.
 
-    The estimate is conservative in one place: with accumulation, gradients made by a
-    micro-batch's backward are counted on top of the held `.grad`s, which `accumulate_grads`
-    avoids.
+    Micro-batch sizes are the divisors of `target_batch`. The estimate is conservative where
+    gradients are concerned: with accumulation, those a micro-batch's backward makes are counted
+    on top of the held `.grad`s, which `accumulate_grads` avoids. Temporaries of the optimizer's
+    own step (a foreach implementation allocates about the parameters' size) are not counted.
     """
     limit = _parse_limit(memory_limit)
     if not isinstance(target_batch, int) or isinstance(target_batch, bool) or target_batch < 1:
@@ -175,7 +182,7 @@ def plan_batch(
         options=options,
         target_batch=target_batch,
         limit=limit,
-        budgets=tuple(budgets),
+        budgets=tuple(dict.fromkeys(budgets)),
         fixed=_Fixed.of(model, optimizer_state),
         dtype=compute_dtype,
     )
@@ -218,7 +225,13 @@ class _Planner:
             self.meta_model, batch, {**self.options, "memory_budget": budget}
         )
         seconds = sum(p.step_seconds for p in plans)
-        self.curves[budget].points[size] = (_activation_bytes(plans), seconds)
+        steps = [plan.step for plan in plans]
+        # gradients in flight at the parameters' dtype (the meta copy's may be narrower)
+        gradients = max(0, self.fixed.gradients - sum(step.gradient_bytes for step in steps))
+        batch_bytes = sum(
+            tensor_bytes(t) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)
+        )
+        self.curves[budget].points[size] = (combined_peak(steps) + gradients + batch_bytes, seconds)
 
     def estimate(self, size: int, budget: float) -> Candidate:
         memory, seconds = self.curves[budget](size)
@@ -275,9 +288,9 @@ class _Fixed:
     @classmethod
     def of(cls, model: nn.Module, optimizer_state: float) -> _Fixed:
         tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-        trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+        trainable = sum(tensor_bytes(p) for p in model.parameters() if p.requires_grad)
         return cls(
-            parameters=sum(_nbytes(t) for t in tensors),
+            parameters=sum(tensor_bytes(t) for t in tensors),
             gradients=trainable,
             optimizer=int(optimizer_state * trainable),
         )
@@ -291,20 +304,9 @@ class _Fixed:
         return self.parameters + self.optimizer + max(during, self.gradients)
 
 
-def _activation_bytes(plans: list[MemoryPlan]) -> int:
-    """The step's peak over its graphs: one graph at its own peak (with its inputs) while the
-    others hold what they keep for their backward."""
-    kept = [p.step.kept_bytes for p in plans]
-    return max(
-        p.step.peak_bytes + p.step.input_bytes + sum(kept) - kept[i] for i, p in enumerate(plans)
-    )
-
-
-def _nbytes(tensor: Any) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _parse_limit(value: int | str) -> int:
+def _parse_limit(value: int | float | str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     size = size_with_unit(value) if isinstance(value, str) else None

@@ -91,7 +91,8 @@ def _memory_lines(m: MemoryPlan) -> list[str]:
         f"  {m.graph}: kept for the backward {step.kept_tensors} tensors,"
         f" {format_bytes(step.kept_bytes)} (fused-op saves {format_bytes(step.kept_fused_bytes)},"
         f" other saves {format_bytes(step.kept_bytes - step.kept_fused_bytes)});"
-        f" recomputed instead {format_bytes(step.recomputed_bytes)}; partitioner {m.partitioner}"
+        f" the backward's recompute makes {format_bytes(step.recomputed_bytes)};"
+        f" partitioner {m.partitioner}"
     ]
     if m.written_over_bytes:
         reused = format_bytes(m.written_over_bytes)

@@ -27,6 +27,7 @@ meta the reference on shapes alone (what `plan_batch` compiles on)."""
 
 
 def runs_fused_ops(device: torch.device) -> bool:
+    """Whether fused ops can take tensors on `device` (patterns refuse the others)."""
     return device.type in FUSED_OP_DEVICES
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from seqcompile.memory import dry_run
 from seqcompile.memory.live_bytes import measure_step
-from seqcompile.memory.liveness import Timeline
-from seqcompile.report import MemoryPlan
+from seqcompile.memory.liveness import Timeline, combined_timeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +34,15 @@ class MemoryTimelines:
     def draw(self, path: str | Path) -> Path:
         """Write the picture to `path` (PNG) and return it."""
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            from matplotlib import pyplot
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
         except ImportError:
             raise ImportError(
                 "drawing the memory timeline needs matplotlib: pip install matplotlib"
             ) from None
-        figure, axes = pyplot.subplots(figsize=(8, 4.5))
+        figure = Figure(figsize=(8, 4.5))
+        FigureCanvasAgg(figure)
+        axes = figure.subplots()
         _plot(axes, self.eager, "eager PyTorch (measured)", "black")
         for budget, timeline in self.planned.items():
             _plot(axes, timeline, f"seqfast, memory_budget {budget:g} (planned)", None)
@@ -55,7 +55,6 @@ class MemoryTimelines:
         figure.tight_layout()
         path = Path(path)
         figure.savefig(path, dpi=110)
-        pyplot.close(figure)
         return path
 
 
@@ -77,7 +76,7 @@ def memory_timeline(
     args, kwargs = dry_run.call_arguments(batch)
     loss_of = loss_fn or _loss
     lasting = [*model.parameters(), *model.buffers()]
-    lasting += [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+    lasting += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     grads = [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     try:
@@ -88,12 +87,15 @@ def memory_timeline(
     meta_model = dry_run.meta_copy(model)
     size = dry_run.batch_size(batch)
     planned = {
-        budget: planned_timeline(
-            dry_run.memory_plans(
-                meta_model,
-                dry_run.at_batch_size(batch, size),
-                {**(options or {}), "memory_budget": budget},
-            )
+        budget: combined_timeline(
+            [
+                plan.step
+                for plan in dry_run.memory_plans(
+                    meta_model,
+                    dry_run.at_batch_size(batch, size),
+                    {**(options or {}), "memory_budget": budget},
+                )
+            ]
         )
         for budget in budgets
     }
@@ -103,24 +105,6 @@ def memory_timeline(
     if path is not None:
         timelines.draw(path)
     return timelines
-
-
-def planned_timeline(plans: list[MemoryPlan]) -> Timeline:
-    """One step's schedule from its graphs' plans: the forwards in order, each on top of what the
-    earlier ones keep, then the backwards in reverse, each on top of what the earlier graphs
-    still keep and the gradients the later ones made."""
-    timelines = [p.step.timeline for p in plans]
-    held = [t.after_forward for t in timelines]
-    made = [t.after_backward for t in timelines]
-    forward = [
-        sum(held[:i]) + v for i, t in enumerate(timelines) for v in t.values[: t.forward_steps]
-    ]
-    backward = [
-        sum(held[:i]) + sum(made[i + 1 :]) + v
-        for i in reversed(range(len(timelines)))
-        for v in timelines[i].values[timelines[i].forward_steps :]
-    ]
-    return Timeline(tuple(forward + backward), len(forward))
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -138,4 +122,5 @@ def _plot(axes: Any, timeline: Timeline, label: str, color: str | None) -> None:
     xs = [(i + 1) / max(forward, 1) for i in range(forward)]
     xs += [1 + (i + 1) / max(backward, 1) for i in range(backward)]
     mib = [v / 2**20 for v in timeline.values]
-    axes.step([0, *xs], [0, *mib], where="post", label=label, color=color, linewidth=1.2)
+    # each value is drawn over the op (or node) that leaves it, so the last one shows too
+    axes.step([0, *xs], [0, *mib], where="pre", label=label, color=color, linewidth=1.2)

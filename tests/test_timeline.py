@@ -2,6 +2,7 @@
 what autograd saves, the backward ends with the gradients), seqfast's planned schedule read from
 the memory model and composed across graphs, the picture, and the refusals."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -10,8 +11,8 @@ from checks import TINY_GPT, kept_for_backward, tiny_gpt_batch
 
 import seqcompile
 from seqcompile.demo import GPT
+from seqcompile.memory.liveness import Timeline, combined_peak, combined_timeline
 from seqcompile.report import collecting
-from seqcompile.timeline import planned_timeline
 
 CONFIG = TINY_GPT
 
@@ -52,19 +53,36 @@ def test_the_planned_timeline_is_the_memory_models(model):
 
 
 def test_graphs_compose_forwards_in_order_and_backwards_in_reverse(model):
-    with collecting() as report:
-        torch.compile(model, backend="seqfast", dynamic=False)(*tiny_gpt_batch())
-    (plan,) = report.memory
-    one = plan.step.timeline
-    n, held, grads = one.forward_steps, one.after_forward, one.after_backward
-    two = planned_timeline([plan, plan])
-    assert two.forward_steps == 2 * n and len(two.values) == 2 * len(one.values)
-    assert two.values[:n] == one.values[:n]
-    assert two.values[n : 2 * n] == tuple(held + v for v in one.values[:n])
-    # the second graph's backward runs first, over the first graph's kept values
-    backward = one.values[n:]
-    assert two.values[2 * n : 2 * n + len(backward)] == tuple(held + v for v in backward)
-    assert two.values[2 * n + len(backward) :] == tuple(grads + v for v in backward)
+    small, large = (
+        seqcompile.memory_timeline(model, tiny_gpt_batch(size), budgets=(1.0,)).planned[1.0]
+        for size in (1, 3)
+    )
+    steps = [_Step(small, peak_bytes=small.peak + 7), _Step(large, peak_bytes=large.peak + 5)]
+    both = combined_timeline(steps)
+    n, m = small.forward_steps, large.forward_steps
+    assert both.forward_steps == n + m
+    forward_small, backward_small = small.values[:n], small.values[n:]
+    forward_large, backward_large = large.values[:m], large.values[m:]
+    expected = (
+        forward_small
+        + tuple(small.after_forward + v for v in forward_large)
+        # the second graph's backward runs first, over the first graph's kept values; the first
+        # graph's backward then runs with the second's gradients held
+        + tuple(small.after_forward + v for v in backward_large)
+        + tuple(large.after_backward + v for v in backward_small)
+    )
+    assert both.values == expected
+    assert combined_peak(steps) == max(
+        small.peak + 7 + large.after_backward, large.peak + 5 + small.after_forward
+    )
+
+
+@dataclasses.dataclass
+class _Step:
+    """The two fields of StepMemory the composition reads."""
+
+    timeline: Timeline
+    peak_bytes: int
 
 
 def test_the_models_gradients_are_left_as_they_were(model):
@@ -104,6 +122,7 @@ def test_the_picture_is_a_png(model, tmp_path):
 
 def test_drawing_without_matplotlib_says_what_to_install(model, tmp_path, monkeypatch):
     timelines = seqcompile.memory_timeline(model, tiny_gpt_batch(), budgets=())
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         timelines.draw(tmp_path / "timeline.png")

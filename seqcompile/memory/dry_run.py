@@ -1,6 +1,7 @@
 """Compile a model on the meta device to read its memory plan at any batch size: nothing runs on
 real data and nothing the size of an activation is allocated. Fused ops run their reference on
-shapes alone, so the plan is the one the model gets on a real device with the eager executor.
+shapes alone, so the plan is the one the model gets with the eager executor on a device with the
+H100's roofline (the figures the budget planner weighs recompute by, used on meta).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from seqcompile.report import MemoryPlan, collecting
 
 def meta_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """`model` with every parameter and buffer replaced by an empty meta tensor of its shape (and
-    floating ones of `dtype`, when given); tied weights stay tied, and the original's data is
-    never copied."""
+    floating ones of `dtype`, when given); tied weights stay tied, and their data is never
+    copied (tensors held as plain attributes, neither parameters nor buffers, are copied as
+    they are)."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         empty = torch.empty_like(tensor, device="meta", dtype=_cast(tensor, dtype))
@@ -41,6 +43,7 @@ def as_batch(example: Any) -> tuple[Any, ...] | dict[str, Any]:
 
 
 def call_arguments(batch: tuple[Any, ...] | dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
+    """The batch as `(args, kwargs)` for calling the model."""
     return (batch, {}) if isinstance(batch, tuple) else ((), batch)
 
 

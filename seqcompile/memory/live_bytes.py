@@ -21,6 +21,7 @@ def measure_step(forward: Callable[[], torch.Tensor], lasting: list[torch.Tensor
     of what they create; `lasting` are the tensors that exist regardless (parameters, inputs)."""
     with _Counting(lasting) as counting:
         loss = forward()
+        counting.sample()  # after the forward's temporaries are freed
         forward_steps = len(counting.values)
         loss.backward()
         del loss
@@ -37,7 +38,7 @@ class _Counting(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._forget_freed()  # first: a new storage may sit where a freed one was
+        self._forget_freed()
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()

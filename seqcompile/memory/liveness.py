@@ -11,7 +11,7 @@ counted apart. A fused operator's workspace is live while it runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,8 @@ class StepMemory:
     kept_fused_bytes: int
     """Part of `kept_bytes` that fused operators made (their outputs, sums and row statistics)."""
     recomputed_bytes: int
-    """What the backward recomputes instead of keeping (checkpoint regions, the memory budget)."""
+    """What the backward's recompute allocates (checkpoint regions, the memory budget): the
+    values it makes again instead of keeping, and the intermediates it makes on the way."""
     kept_input_bytes: int
     """Graph inputs other than parameters that the backward reads (the batch, or activations
     an earlier graph made): kept alive for the backward too."""
@@ -99,7 +100,7 @@ def step_memory(
         for key, size in storages(n)
         if key not in params and key not in user
     }
-    made = {key for n in kept_nodes for key, _ in storages(n) if key in kept and key not in inputs}
+    made = kept.keys() - inputs.keys()
     fused = {key for n in kept_nodes if is_fused_output(n) for key, _ in storages(n)}
     redone = {
         key: size
@@ -175,3 +176,35 @@ def _workspace(node: Node) -> int:
     if measure is None:
         return 0
     return measure(*fake_values(node.args))
+
+
+def combined_timeline(steps: Sequence[StepMemory]) -> Timeline:
+    """One step's schedule from its graphs' (a graph break makes several): the forwards in
+    order, each on top of what the earlier ones keep, then the backwards in reverse, each on top
+    of what the earlier graphs still keep and the gradients the later ones made."""
+    timelines = [s.timeline for s in steps]
+    forward = [
+        v + _before(timelines, i, 0)
+        for i, t in enumerate(timelines)
+        for v in t.values[: t.forward_steps]
+    ]
+    backward = [
+        v + _before(timelines, i, 1)
+        for i in reversed(range(len(timelines)))
+        for v in timelines[i].values[timelines[i].forward_steps :]
+    ]
+    return Timeline(tuple(forward + backward), len(forward))
+
+
+def combined_peak(steps: Sequence[StepMemory]) -> int:
+    """The step's peak over its graphs: each graph's own peak on top of what the others hold
+    while its backward runs (the larger of its two phases' offsets)."""
+    timelines = [s.timeline for s in steps]
+    return max(s.peak_bytes + _before(timelines, i, 1) for i, s in enumerate(steps))
+
+
+def _before(timelines: Sequence[Timeline], i: int, phase: int) -> int:
+    """What the other graphs hold while graph `i` runs its forward (phase 0: the earlier graphs'
+    kept values) or its backward (phase 1: those, and the later graphs' gradients)."""
+    earlier = sum(t.after_forward for t in timelines[:i])
+    return earlier + phase * sum(t.after_backward for t in timelines[i + 1 :])

@@ -71,6 +71,38 @@ def test_a_dry_run_leaves_dynamos_cache_as_it_was():
     assert len(_debug_get_cache_entry_list(code)) == before == 1
 
 
+class BrokenGPT(torch.nn.Module):
+    """The GPT behind a graph break, which makes Dynamo compile frames of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(CONFIG)
+
+    def forward(self, idx, targets):
+        return _broken_step(self.gpt, idx, targets)
+
+
+def _broken_step(gpt, idx, targets):
+    embedded = gpt.tok(idx)
+    torch._dynamo.graph_break()
+    return gpt(idx, targets) + 0 * embedded.sum()
+
+
+def test_frames_a_graph_break_compiles_get_no_entries_beyond_the_limit():
+    torch.manual_seed(0)
+    model = BrokenGPT()
+    batch = tiny_gpt_batch()
+    torch.compile(model, backend="seqfast")(*batch)
+    codes = [BrokenGPT.forward.__code__, _broken_step.__code__]
+    assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [1, 1]
+    meta_model = dry_run.meta_copy(model)
+    for size in range(1, 11):  # past the limit, each size still compiles both graphs
+        plans = dry_run.memory_plans(meta_model, dry_run.at_batch_size(batch, size), {})
+        assert len(plans) == 2
+    # the frames the dry runs compiled are reset, the user's entries with them
+    assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [0, 0]
+
+
 def test_a_model_without_trainable_parameters_is_refused():
     model = GPT(CONFIG).requires_grad_(False)
     batch = tiny_gpt_batch()
