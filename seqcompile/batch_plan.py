@@ -287,10 +287,9 @@ class _Fixed:
 
     @classmethod
     def of(cls, model: nn.Module, optimizer_state: float) -> _Fixed:
-        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
         trainable = sum(tensor_bytes(p) for p in model.parameters() if p.requires_grad)
         return cls(
-            parameters=sum(tensor_bytes(t) for t in tensors),
+            parameters=sum(tensor_bytes(t) for t in [*model.parameters(), *model.buffers()]),
             gradients=trainable,
             optimizer=int(optimizer_state * trainable),
         )
