@@ -1,6 +1,9 @@
 """Shared test setup: Triton's interpreter on machines without CUDA, a private kernel cache, the
-per-dtype tolerance table, and a fresh Dynamo cache per test."""
+per-dtype tolerance table, a fresh Dynamo cache per test, a check that no test leaves global state
+changed, and the kernel tier: tests marked `interpreter` run the generated kernels and fail unless
+every kernel their `kernels(...)` mark names was launched."""
 
+import logging
 import os
 import tempfile
 
@@ -15,6 +18,9 @@ for name in [n for n in os.environ if n.startswith("SEQFAST_") and n != "SEQFAST
     del os.environ[name]
 
 import pytest  # noqa: E402
+
+from seqcompile.codegen import counting_launches  # noqa: E402
+from seqcompile.patterns.user import registered_patterns  # noqa: E402
 
 TOLERANCES = {
     torch.float64: dict(atol=1e-9, rtol=1e-9),
@@ -36,16 +42,119 @@ def fresh_dynamo():
     yield
 
 
+# --------------------------------------------------------------------------------------------
+# global state: a test that changes it and does not put it back fails, naming what it left
+
+
+def _global_state() -> dict[str, object]:
+    configs = {
+        "torch._dynamo.config": torch._dynamo.config,
+        "torch._inductor.config": torch._inductor.config,
+        "torch._functorch.config": torch._functorch.config,
+    }
+    state: dict[str, object] = {
+        f"{name}.{key}": value
+        for name, module in configs.items()
+        for key, value in module.get_config_copy().items()
+    }
+    state.update(
+        {
+            "environment": {
+                k: v for k, v in os.environ.items() if k.startswith(("SEQFAST_", "TRITON_"))
+            },
+            "grad mode": torch.is_grad_enabled(),
+            "default dtype": torch.get_default_dtype(),
+            "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+            "user patterns": [p.name for p in registered_patterns()],
+            "seqcompile logger level": logging.getLogger("seqcompile").level,
+        }
+    )
+    return state
+
+
+@pytest.fixture(autouse=True)
+def global_state_is_left_alone():
+    """Settings leaking out of one test change what later tests see: the cause of a suite that
+    passes only in one order. Change them with torch's scoped `config.patch(...)`, `monkeypatch`
+    for the environment, or a fixture that restores them."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, "the test left global state changed: " + "; ".join(
+        f"{k}: {before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r}" for k in changed
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel tier
+
+
 @pytest.fixture
-def interpret(monkeypatch):
-    """Run fused ops on CPU tensors through the generated kernels (Triton interpreter)."""
+def interpret(request, monkeypatch):
+    """Run fused ops on CPU tensors through the generated kernels (Triton's interpreter). A test
+    using it is in the kernel tier (mark `interpreter`) and must name, with the mark `kernels`,
+    the kernels it means to test."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter tier runs on machines without CUDA")
+    if request.node.get_closest_marker("interpreter") is None:
+        pytest.fail("take `interpret` or `impl` as an argument, so the test joins the kernel tier")
     monkeypatch.setenv("SEQFAST_INTERPRET", "1")
+
+
+@pytest.fixture(params=["reference", pytest.param("kernels", marks=pytest.mark.interpreter)])
+def impl(request, monkeypatch):
+    """Which implementation runs fused ops on CPU tensors, each test once per implementation;
+    every kernel output starts as NaN."""
+    monkeypatch.setenv("SEQFAST_POISON", "1")
+    if request.param == "kernels":
+        request.getfixturevalue("interpret")
+    return request.param
+
+
+def expected_kernels(item: pytest.Item) -> tuple[str, ...] | None:
+    """The kernels a kernel-tier test must launch (`LaunchCount.of` names; none: a test of what
+    the kernel path does without launching, such as empty inputs). None outside the tier, or
+    where the test names nothing."""
+    if item.get_closest_marker("interpreter") is None:
+        return None
+    marker = item.get_closest_marker("kernels")
+    return None if marker is None else marker.args
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    unnamed = []
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "interpret" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.interpreter)
+        if item.get_closest_marker("interpreter") and expected_kernels(item) is None:
+            unnamed.append(item.nodeid)
+    if unnamed:
+        raise pytest.UsageError(
+            "kernel-tier tests must name the kernels they launch with"
+            " @pytest.mark.kernels('template' or 'template:mode', ...), or none with"
+            " @pytest.mark.kernels(): " + ", ".join(unnamed)
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """In the kernel tier, count kernel launches during the test and fail it when a kernel its
+    `kernels` mark names never ran (the reference ran instead, or nothing did), or when a test
+    that names none launched one."""
+    names = expected_kernels(item)
+    if names is None or torch.cuda.is_available():
+        return (yield)
+    with counting_launches() as launches:
+        result = yield
+    missing = [name for name in names if launches.of(name) == 0]
+    if missing:
+        raise AssertionError(
+            f"kernels {missing} were never launched; launches: {launches.names() or 'none'}"
+        )
+    if not names and launches.names():
+        raise AssertionError(f"the test names no kernel but launched {launches.names()}")
+    return result

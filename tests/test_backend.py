@@ -109,6 +109,7 @@ def test_dump_dir_holds_every_stage_the_kernels_and_the_report(tmp_path):
     assert "norm  1" in report and "add_norm_fwd_" in report
 
 
+@pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "column_sum")
 def test_interpreted_kernels_run_inside_a_compiled_graph(interpret):
     check_fusion(Tail(), inputs(), counts={"norm": 1})
 

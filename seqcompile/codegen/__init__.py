@@ -2,6 +2,14 @@
 modules that are imported from disk."""
 
 from seqcompile.codegen.cache import KernelSource
+from seqcompile.codegen.launches import LaunchCount, counting_launches
 from seqcompile.codegen.render import KernelSpec, kernel_function, prepare_kernel
 
-__all__ = ["KernelSource", "KernelSpec", "kernel_function", "prepare_kernel"]
+__all__ = [
+    "KernelSource",
+    "KernelSpec",
+    "LaunchCount",
+    "counting_launches",
+    "kernel_function",
+    "prepare_kernel",
+]

@@ -274,12 +274,13 @@ def render(
     operands: Sequence[Load | Mask | None],
     outputs: Sequence[str],
     rank: int,
-    what: str,
+    mode: str,
+    region: str,
 ) -> tuple[KernelSpec, tuple[str, ...]]:
-    """The kernel for `gm`: placeholder i is read as `operands[i]` (None: unused), and the graph's
-    i-th output is stored to the tensor parameter `outputs[i]`. Returns the spec and the kernel's
-    parameter names in order (tensors by name; `<name>_stride<d>`, `size<d>`, `inner<d>`, `N`,
-    `SEED`, `stream`)."""
+    """The `mode` ("forward" or "backward") kernel of `region`, computing `gm`: placeholder i
+    is read as `operands[i]` (None: unused), and the graph's i-th output is stored to the tensor
+    parameter `outputs[i]`. Returns the spec and the kernel's parameter names in order (tensors
+    by name; `<name>_stride<d>`, `size<d>`, `inner<d>`, `N`, `SEED`, `stream`)."""
     printer = _Printer(_float_type(gm))
     names: dict[Node, str] = {}
     body: list[str] = []
@@ -355,7 +356,8 @@ def render(
     params += [(s, "") for s in scalars + dims + ["N"]]
     spec = KernelSpec.of(
         "pointwise",
-        what=what,
+        mode=mode,
+        region=region,
         philox=masks,
         params=tuple(params),
         body=tuple(seed + coords + body),

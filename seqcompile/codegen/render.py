@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import jinja2
 
 from seqcompile import runtime
 from seqcompile.codegen.cache import KernelSource, body_digest, import_source, write_source
+from seqcompile.codegen.launches import CountedKernel
 
 _TEMPLATES = Path(__file__).parent / "templates"
 _env = jinja2.Environment(
@@ -24,7 +24,7 @@ _env = jinja2.Environment(
 )
 _lock = threading.Lock()
 _prepared: dict[KernelSpec, KernelSource] = {}
-_functions: dict[KernelSpec, Callable[..., Any]] = {}
+_functions: dict[KernelSpec, CountedKernel] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,13 @@ class KernelSpec:
     @classmethod
     def of(cls, template: str, **key: Any) -> KernelSpec:
         return cls(template, tuple(sorted(key.items())))
+
+    @property
+    def name(self) -> str:
+        """The template, and the key's `mode` where one template renders several kernels
+        (`"cross_entropy:backward"`): what launch counts and tests call the kernel."""
+        mode = dict(self.key).get("mode")
+        return self.template if mode is None else f"{self.template}:{mode}"
 
     def render_body(self) -> str:
         body = _env.get_template(f"{self.template}.py.jinja").render(
@@ -76,11 +83,13 @@ def prepare_kernel(spec: KernelSpec, provenance: str) -> KernelSource:
         return source
 
 
-def kernel_function(spec: KernelSpec) -> Callable[..., Any]:
-    """The `@triton.jit` function for `spec`, rendered on first use if no compile prepared it."""
+def kernel_function(spec: KernelSpec) -> CountedKernel:
+    """The `@triton.jit` function for `spec` (launched as `kernel_function(spec)[grid](...)`,
+    which counts the launch), rendered on first use if no compile prepared it."""
     fn = _functions.get(spec)
     if fn is None:
         source = _prepared.get(spec) or prepare_kernel(spec, "a launch with no compiled graph")
         runtime.prepare_triton()
-        fn = _functions[spec] = getattr(import_source(source.path), source.name)
+        jit = getattr(import_source(source.path), source.name)
+        fn = _functions[spec] = CountedKernel(spec, jit)
     return fn

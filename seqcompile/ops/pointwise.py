@@ -169,7 +169,7 @@ def forward_spec(
         Mask(k, p) for k, p in enumerate(region.dropout_p)
     ]
     names = [f"OUT{j}" for j in range(outputs)]
-    return render(region.forward, operands, names, rank, f"forward of region {key}")
+    return render(region.forward, operands, names, rank, "forward", key)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -193,7 +193,7 @@ def backward_spec(
     operands += [Mask(k, p) for k, p in enumerate(region.dropout_p)]
     operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(terms)]
     names = [f"DIN{j}" for j in range(len(plan.computed))]
-    return render(plan.graph, operands, names, rank, f"backward of region {key}")
+    return render(plan.graph, operands, names, rank, "backward", key)
 
 
 # --------------------------------------------------------------------------------------------

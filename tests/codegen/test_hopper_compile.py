@@ -7,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a minute of Triton's compiler: CI runs it in its slow step
+
 COMPILE = textwrap.dedent(
     """
     import itertools, sys
@@ -38,7 +42,7 @@ COMPILE = textwrap.dedent(
         return sig
 
     def compile(spec, data, constexprs):
-        fn = kernel_function(spec)
+        fn = kernel_function(spec).jit
         sig = signature(fn, data)
         constexprs = {k: v for k, v in constexprs.items() if k in sig}
         for k in constexprs:
@@ -105,7 +109,7 @@ POINTWISE = textwrap.dedent(
     from seqcompile.patterns.pointwise import region_of_function
 
     def compile_pointwise(spec, pointers):
-        fn = kernel_function(spec)
+        fn = kernel_function(spec).jit
         sig = {name: "i32" for name in fn.arg_names}
         sig.update(pointers, SEED="*i64", BLOCK="constexpr")
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
@@ -151,7 +155,7 @@ CROSS_ENTROPY = textwrap.dedent(
     from seqcompile.ops import cross_entropy
 
     for mode in ("forward", "backward", "forward_grad"):
-        fn = kernel_function(cross_entropy.spec(mode))
+        fn = kernel_function(cross_entropy.spec(mode)).jit
         sig = {name: "*fp32" for name in fn.arg_names}
         sig.update(LOGITS="*bf16", TARGET="*i64", V="i32", row_stride="i32", ignore_index="i64",
                    smoothing="fp32", BLOCK_V="constexpr")

@@ -72,9 +72,8 @@ def noisy(linear, x):
 
 
 @pytest.mark.parametrize("rest", ["eager", "inductor"])
-def test_a_random_op_in_a_checkpoint_draws_the_same_numbers_when_recomputed(rest, monkeypatch):
-    # Inductor draws its own random numbers unless told to use eager's
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+@torch._inductor.config.patch(fallback_random=True)  # else Inductor draws its own numbers
+def test_a_random_op_in_a_checkpoint_draws_the_same_numbers_when_recomputed(rest):
     linear = torch.nn.Linear(8, 8)
 
     def fn(x):

@@ -107,10 +107,8 @@ def _compiled_step(monkeypatch, fold: bool):
     return [loss, x.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("kernels", ["reference", "interpreter"])
-def test_folded_gradient_sums_give_autograds_gradients(monkeypatch, request, kernels):
-    if kernels == "interpreter":
-        request.getfixturevalue("interpret")
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+def test_folded_gradient_sums_give_autograds_gradients(monkeypatch, impl):
     folded = _compiled_step(monkeypatch, fold=True)
     unfolded = _compiled_step(monkeypatch, fold=False)
     assert folded[1].abs().sum() > 0

@@ -19,7 +19,12 @@ FLOAT32_MIN = torch.finfo(torch.float32).min
 
 # With finfo.min masked scores the kernels' `(s - row_max) * log2(e)` overflows to -inf in float32,
 # whose exp2 is the 0 it stands for; the interpreter (numpy) warns about it.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
+    pytest.mark.kernels(
+        "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq"
+    ),
+]
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
@@ -345,6 +350,7 @@ def eye_values(b, h, lk):
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.kernels("attention_fwd")
 def test_dropout_keep_ratio_and_scaling(impl, p):
     # the reference is cheap on a big tensor; the interpreter runs the kernels on a moderate one
     b, h, lq, lk = (1, 4, 128, 128) if impl == "reference" else (1, 2, 32, 64)
@@ -381,9 +387,7 @@ def test_dropout_backward_drops_what_the_forward_dropped(impl):
     assert torch.equal((dv == 0).all(-1), dropped)
 
 
-def test_kernels_drop_exactly_what_the_reference_drops(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter tier runs on machines without CUDA")
+def test_kernels_drop_exactly_what_the_reference_drops(interpret, monkeypatch):
     monkeypatch.setenv("SEQFAST_POISON", "1")
     g = torch.Generator().manual_seed(12)
     b, h, kv_heads, lq, lk = 1, 4, 2, 20, 32
@@ -405,6 +409,7 @@ def test_kernels_drop_exactly_what_the_reference_drops(monkeypatch):
         torch.testing.assert_close(a, e, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.kernels("attention_fwd")
 def test_dropout_repeats_for_a_seed_and_stream_only(impl):
     g = torch.Generator().manual_seed(13)
     q, k, v = qkv(g, 1, 1, 17, 24, 16)
@@ -522,6 +527,7 @@ def test_single_query_or_single_key(impl, lq, lk, causal):
 
 
 @pytest.mark.parametrize("lq,lk", [(5, 0), (0, 7)], ids=["no-keys", "no-queries"])
+@pytest.mark.kernels()  # the kernel path answers empty lengths without a launch
 def test_empty_lengths(impl, lq, lk):
     """Lk == 0: every row is empty, so as SDPA's fully masked rows the output and gradients are 0;
     Lq == 0: empty output, and nothing reaches k and v."""

@@ -15,6 +15,9 @@ from seqcompile.ops.linear_cross_entropy import default_chunk
 
 IGNORE = -100
 REDUCTIONS = {"mean": True, "sum": False}
+pytestmark = pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+LINEAR_KERNELS = pytest.mark.kernels("cross_entropy:forward_grad")
+"""The linear + cross-entropy finishes each chunk's gradient in its forward kernel."""
 
 
 def logits_and_targets(rows, vocab, *, seed=0, dtype=torch.float32, ignored=(1,)):
@@ -93,6 +96,7 @@ def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
     torch.testing.assert_close(over, expected, rtol=0, atol=0)
 
 
+@pytest.mark.kernels()  # refused before any launch
 def test_a_target_out_of_range_is_an_error(impl):
     logits, target = logits_and_targets(3, 50)
     target[0] = 50
@@ -142,6 +146,7 @@ def eager_linear_loss(hidden, weight, bias, target, *, smoothing=0.0, mean=True)
 @pytest.mark.parametrize("vocab", [97, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("reduction", sorted(REDUCTIONS))
+@LINEAR_KERNELS
 def test_linear_loss_and_every_gradient_match_eager(impl, vocab, bias, reduction):
     inputs = linear_inputs(10, 16, vocab, bias=bias)
     options = dict(smoothing=0.1, mean=REDUCTIONS[reduction])
@@ -156,6 +161,7 @@ def test_linear_loss_and_every_gradient_match_eager(impl, vocab, bias, reduction
         torch.testing.assert_close(got, want)
 
 
+@LINEAR_KERNELS
 def test_chunked_equals_unchunked(impl):
     inputs = linear_inputs(12, 8, 97, bias=True)
     wrt = [t for t in inputs[:3] if t is not None]
@@ -168,6 +174,7 @@ def test_chunked_equals_unchunked(impl):
             torch.testing.assert_close(a, b)
 
 
+@LINEAR_KERNELS
 def test_all_ignored_tokens(impl):
     hidden, weight, _, target = linear_inputs(4, 8, 50, bias=False, ignored=(0, 1, 2, 3))
     total = fused_linear_loss(hidden, weight, None, target, mean=False)
@@ -177,6 +184,7 @@ def test_all_ignored_tokens(impl):
     assert torch.isnan(mean) and torch.isnan(eager_linear_loss(hidden, weight, None, target))
 
 
+@LINEAR_KERNELS
 def test_only_the_gradients_asked_for_are_computed(impl):
     hidden, weight, _, target = linear_inputs(6, 8, 40, bias=False)
     frozen = weight.detach()

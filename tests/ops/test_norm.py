@@ -13,6 +13,9 @@ import seqcompile.ops.norm  # noqa: F401  (registers the op)
 from seqcompile.ops.random import keep_mask
 
 add_norm = torch.ops.seqfast.add_norm
+pytestmark = pytest.mark.kernels("add_norm_fwd", "add_norm_bwd")
+WITH_PARAMETERS = pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "column_sum")
+"""Parameter gradients sum the backward's per-program partials in a second kernel."""
 
 
 def composed(x, residual, branch_bias, weight, bias, keep, p, eps, rms):
@@ -85,6 +88,7 @@ def run_and_compare(inputs, *, p, rms, dtype, eps=1e-5, stream=3, sum_grad=True)
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("width", [1, 7, 768, 1000])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@WITH_PARAMETERS
 def test_shapes_and_dtypes(impl, rms, width, rows, dtype):
     inputs = make_inputs(
         rows, width, dtype, residual=True, branch_bias=True, weight=True, bias=not rms
@@ -116,6 +120,7 @@ def test_every_feature_combination(impl, rms, residual, branch_bias, weight, bia
     run_and_compare(inputs, p=0.25 if dropout else 0.0, rms=rms, dtype=torch.float32)
 
 
+@WITH_PARAMETERS
 def test_sum_output_without_other_readers(impl):
     inputs = make_inputs(
         9, 24, torch.float32, residual=True, branch_bias=False, weight=True, bias=True
@@ -123,6 +128,7 @@ def test_sum_output_without_other_readers(impl):
     run_and_compare(inputs, p=0.0, rms=False, dtype=torch.float32, sum_grad=False)
 
 
+@pytest.mark.kernels("add_norm_fwd")
 def test_mixed_dtypes_round_sum_like_eager(impl):
     """A float16 branch added to a float32 residual: the sum is float32, the output float16."""
     g = torch.Generator().manual_seed(3)
@@ -138,14 +144,14 @@ def test_mixed_dtypes_round_sum_like_eager(impl):
     torch.testing.assert_close(total, x + residual, **TOLERANCES[torch.float32])
 
 
-def test_kernels_drop_exactly_what_the_reference_drops(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter tier runs on machines without CUDA")
+@pytest.mark.kernels("add_norm_fwd")
+def test_kernels_drop_exactly_what_the_reference_drops(interpret, monkeypatch):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(37, 100, generator=g)
     residual = torch.zeros(37, 100)
     seed = torch.tensor(987654321012, dtype=torch.int64)
     args = (x, residual, None, None, None, seed, 11, 0.4, 1e-5, False, torch.float32, torch.float32)
+    monkeypatch.setenv("SEQFAST_INTERPRET", "0")
     reference = add_norm(*args)[1]
     monkeypatch.setenv("SEQFAST_INTERPRET", "1")
     kernels = add_norm(*args)[1]
@@ -178,6 +184,7 @@ def test_dropout_keep_ratio_scaling_and_backward_mask(impl, p):
     assert torch.equal(streams[0], total) and not torch.equal(streams[1], total)
 
 
+@WITH_PARAMETERS
 def test_empty_rows_and_noncontiguous_inputs(impl):
     x = torch.randn(0, 16, requires_grad=True)
     weight = torch.randn(16, requires_grad=True)

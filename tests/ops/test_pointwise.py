@@ -14,6 +14,8 @@ from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.random import keep_mask
 from seqcompile.patterns.pointwise import region_of_function
 
+pytestmark = pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+
 pointwise = torch.ops.seqfast.pointwise
 SEED = torch.tensor(987654321, dtype=torch.int64)
 
@@ -141,6 +143,7 @@ def test_every_unary_op_alone(impl, name):
 
 
 @pytest.mark.parametrize("name", sorted(BINARY))
+@pytest.mark.kernels("pointwise:forward")  # x + bias needs no backward kernel
 def test_binary_ops_on_broadcast_shapes(impl, name):
     fn, other = BINARY[name]
     positive = name.startswith("div")
@@ -253,6 +256,7 @@ def test_the_backward_saves_only_the_inputs_it_reads():
         assert all(any(k is e for e in expected) for k in kept)
 
 
+@pytest.mark.kernels("pointwise:backward")
 def test_the_backward_adds_gradient_terms_itself(impl):
     """An output gradient passed as several terms (a folded autograd sum, one of them broadcast)
     gives every input the gradient their sum gives, and the sum itself when it is written."""

@@ -352,8 +352,10 @@ def test_masked_fill_with_a_tensor_value_stays_unfused():
 # the generated kernels through the compiled path
 
 
-@pytest.mark.usefixtures("interpret")
-def test_compiled_attention_runs_the_kernels_under_the_interpreter():
+@pytest.mark.kernels(
+    "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq"
+)
+def test_compiled_attention_runs_the_kernels_under_the_interpreter(interpret):
     def fn(q, k, v, keep, bias):
         s = q @ k.transpose(-1, -2) / math.sqrt(D) + bias
         return softmax_v(s.masked_fill(~keep, -math.inf), v)

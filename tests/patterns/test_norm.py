@@ -282,6 +282,7 @@ def test_handwritten_rms_norm_spanning_a_grad_mode_switch_is_refused():
 
 
 @pytest.mark.parametrize("bias_shape", [(), (1,)], ids=["0d", "1"])
+@pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "column_sum")
 def test_linear_bias_that_is_not_a_row_vector_stays_in_the_linear(interpret, bias_shape):
     w, b = rand(16, 16), rand(*bias_shape)
     norm = nn.LayerNorm(16)

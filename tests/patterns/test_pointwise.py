@@ -128,6 +128,7 @@ def test_a_lone_op_is_left_to_the_executor():
     check_fusion(lambda x, y: x * y, [leaf(3), leaf(3, seed=1)], counts={"pointwise": 0})
 
 
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
 def test_fused_regions_run_their_kernels(interpret):
     torch.manual_seed(0)
     check_fusion(MLP(act=F.silu), [leaf(2, 3, 8)], counts={"pointwise": 2})

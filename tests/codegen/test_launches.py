@@ -1,0 +1,118 @@
+"""Launch counts of generated kernels, and the kernel tier that relies on them: with the reference
+running where the kernels should, every kernel-tier test must fail."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from seqcompile.codegen import KernelSpec, counting_launches, kernel_function
+from seqcompile.ops import norm
+
+TESTS = Path(__file__).resolve().parents[1]
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter tier runs on machines without CUDA"
+)
+
+
+def column_sum(fn):
+    partial = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    out = torch.empty(2, 4)
+    fn[(1, 2)](partial, out, 3, 4, BLOCK_G=2, BLOCK_N=4)
+    torch.testing.assert_close(out, partial.sum(1))
+
+
+@needs_interpreter
+def test_launches_are_counted_per_kernel_while_a_count_is_open():
+    fn = kernel_function(norm.COLUMN_SUM)
+    column_sum(fn)  # before any count is open: counted nowhere
+    with counting_launches() as outer:
+        column_sum(fn)
+        with counting_launches() as inner:
+            column_sum(fn)
+    column_sum(fn)
+    assert outer.of("column_sum") == 2 and inner.of("column_sum") == 1
+    assert outer.names() == {"column_sum": 2}
+    assert outer.of("add_norm_fwd") == 0
+
+
+def test_a_kernel_is_named_by_its_template_and_mode():
+    assert KernelSpec.of("column_sum").name == "column_sum"
+    assert KernelSpec.of("cross_entropy", mode="backward").name == "cross_entropy:backward"
+
+
+@needs_interpreter
+def test_a_launch_that_fails_is_not_counted():
+    fn = kernel_function(norm.COLUMN_SUM)
+    with counting_launches() as count, pytest.raises(Exception):  # noqa: B017 (Triton's own)
+        fn[(1,)](torch.zeros(1))  # too few arguments
+    assert count.names() == {}
+
+
+REFERENCE_ON_CPU = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    import pytest
+
+    import seqcompile.runtime
+
+    # the mutation: fused ops on CPU tensors run the reference, even under SEQFAST_INTERPRET=1
+    seqcompile.runtime.use_kernels = lambda tensor: tensor.device.type == "cuda"
+
+
+    class Record:
+        \"\"\"Each test's `kernels` mark, outcome and failure text, written to argv[1].\"\"\"
+
+        def __init__(self):
+            self.tests = {}
+
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                mark = item.get_closest_marker("kernels")
+                self.tests[item.nodeid] = {"kernels": list(mark.args) if mark else None}
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or not report.passed:
+                self.tests[report.nodeid].update(
+                    outcome=report.outcome, failure=str(report.longrepr) if report.failed else ""
+                )
+
+        def pytest_sessionfinish(self):
+            with open(sys.argv[1], "w") as f:
+                json.dump(self.tests, f)
+
+
+    sys.exit(pytest.main(sys.argv[2:], plugins=[Record()]))
+    """
+)
+
+
+@needs_interpreter
+def test_every_kernel_tier_test_fails_when_the_reference_runs_instead_of_the_kernels(tmp_path):
+    """The kernel tier's outputs match the reference, so only the launch counts tell whether the
+    kernels ran: under a mutation that sends CPU tensors to the reference, every test of the tier
+    that names kernels must fail, and fail for that reason."""
+    record = tmp_path / "tier.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    result = subprocess.run(
+        [sys.executable, "-c", REFERENCE_ON_CPU, str(record), "-m", "interpreter and not slow",
+         "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(TESTS)],
+        capture_output=True, text=True, cwd=TESTS.parent, env=env, timeout=1800,
+    )  # fmt: skip
+    assert record.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    tests = json.loads(record.read_text())
+    naming = {name: t for name, t in tests.items() if t["kernels"]}
+    assert len(naming) > 100, result.stdout[-3000:]
+    not_failed = [name for name, t in naming.items() if t.get("outcome") != "failed"]
+    assert not not_failed, f"passed with the reference running instead: {not_failed}"
+    other = {
+        n: t["failure"][-500:] for n, t in naming.items() if "never launched" not in t["failure"]
+    }
+    assert not other, f"failed for another reason: {other}"
