@@ -19,6 +19,8 @@ for name in [n for n in os.environ if n.startswith("SEQFAST_") and n != "SEQFAST
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["pytester"]  # tests/test_harness.py runs child suites with this conftest
+
 from seqcompile.codegen import counting_launches  # noqa: E402
 from seqcompile.patterns.user import registered_patterns  # noqa: E402
 
@@ -59,8 +61,11 @@ def _global_state() -> dict[str, object]:
     }
     state.update(
         {
+            # Inductor sets other TRITON_* variables (its cache, ptxas) on its first compile
             "environment": {
-                k: v for k, v in os.environ.items() if k.startswith(("SEQFAST_", "TRITON_"))
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith("SEQFAST_") or k == "TRITON_INTERPRET"
             },
             "grad mode": torch.is_grad_enabled(),
             "default dtype": torch.get_default_dtype(),
@@ -89,6 +94,10 @@ def global_state_is_left_alone():
 # --------------------------------------------------------------------------------------------
 # the kernel tier
 
+WITHOUT_CUDA = "the interpreter tier runs on machines without CUDA"
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason=WITHOUT_CUDA)
+"""For tests that launch kernels under the interpreter themselves, outside the tier."""
+
 
 @pytest.fixture
 def interpret(request, monkeypatch):
@@ -96,7 +105,7 @@ def interpret(request, monkeypatch):
     using it is in the kernel tier (mark `interpreter`) and must name, with the mark `kernels`,
     the kernels it means to test."""
     if torch.cuda.is_available():
-        pytest.skip("the interpreter tier runs on machines without CUDA")
+        pytest.skip(WITHOUT_CUDA)
     if request.node.get_closest_marker("interpreter") is None:
         pytest.fail("take `interpret` or `impl` as an argument, so the test joins the kernel tier")
     monkeypatch.setenv("SEQFAST_INTERPRET", "1")

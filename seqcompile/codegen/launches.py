@@ -17,21 +17,37 @@ _open: list[LaunchCount] = []
 
 
 class LaunchCount:
-    """Launches per kernel (a template and its specialization key), counted while open."""
+    """Launches per kernel (a template and its specialization key, which name one generated
+    file), counted while open."""
 
     def __init__(self) -> None:
-        self.by_spec: collections.Counter[KernelSpec] = collections.Counter()
+        self._by_kernel: collections.Counter[CountedKernel] = collections.Counter()
 
     def of(self, name: str) -> int:
         """Launches of the kernels called `name`: a template (`"add_norm_fwd"`), or a template and
         the `mode` of its key (`"cross_entropy:backward"`, `"pointwise:forward"`)."""
-        return sum(n for spec, n in self.by_spec.items() if name in (spec.template, spec.name))
+        return sum(n for k, n in self._items() if name in (k.spec.template, k.spec.name))
 
     def names(self) -> dict[str, int]:
         """Launches by kernel name (`KernelSpec.name`)."""
+        return self._total(lambda kernel: kernel.spec.name)
+
+    def files(self) -> dict[str, int]:
+        """Launches by generated file (its stem, `<template>_<hash>`)."""
+        return self._total(lambda kernel: kernel.stem)
+
+    def add(self, kernel: CountedKernel) -> None:
+        with _lock:
+            self._by_kernel[kernel] += 1
+
+    def _items(self) -> list[tuple[CountedKernel, int]]:
+        with _lock:  # launches on other threads add to the counter meanwhile
+            return list(self._by_kernel.items())
+
+    def _total(self, label: Callable[[CountedKernel], str]) -> dict[str, int]:
         totals: collections.Counter[str] = collections.Counter()
-        for spec, n in self.by_spec.items():
-            totals[spec.name] += n
+        for kernel, n in self._items():
+            totals[label(kernel)] += n
         return dict(sorted(totals.items()))
 
     def __repr__(self) -> str:
@@ -55,19 +71,21 @@ class CountedKernel:
     """A generated `@triton.jit` function, launched as one is (`kernel[grid](...)`), with each
     launch added to the open counts. `jit` is the function itself, for Triton's own tools."""
 
-    def __init__(self, spec: KernelSpec, jit: Any) -> None:
+    def __init__(self, spec: KernelSpec, stem: str, jit: Any) -> None:
         self.spec = spec
+        self.stem = stem
+        """The generated file's stem, also the function's name."""
         self.jit = jit
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         launch = self.jit[grid]
+        if not _open:  # nothing is counting: Triton's own launcher, at its own cost
+            return launch
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             result = launch(*args, **kwargs)
-            if _open:
-                with _lock:
-                    for count in _open:
-                        count.by_spec[self.spec] += 1
+            for count in list(_open):
+                count.add(self)
             return result
 
         return counted

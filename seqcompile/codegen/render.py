@@ -91,5 +91,5 @@ def kernel_function(spec: KernelSpec) -> CountedKernel:
         source = _prepared.get(spec) or prepare_kernel(spec, "a launch with no compiled graph")
         runtime.prepare_triton()
         jit = getattr(import_source(source.path), source.name)
-        fn = _functions[spec] = CountedKernel(spec, jit)
+        fn = _functions[spec] = CountedKernel(spec, source.name, jit)
     return fn

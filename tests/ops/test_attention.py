@@ -398,8 +398,8 @@ def test_kernels_drop_exactly_what_the_reference_drops(interpret, monkeypatch):
     args = (None, mask, seed, 11, 0.3, lk**-0.5, False, -math.inf)
     grad_out = torch.randn(b, h, lq, lk, generator=g)
     results = []
-    for interpret in ("0", "1"):
-        monkeypatch.setenv("SEQFAST_INTERPRET", interpret)
+    for kernels in ("0", "1"):
+        monkeypatch.setenv("SEQFAST_INTERPRET", kernels)
         out = attention(q, k, v, *args)[0]
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
     (reference, *ref_grads), (kernels, *kernel_grads) = results

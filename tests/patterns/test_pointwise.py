@@ -180,7 +180,8 @@ def squared_relu_pattern():
     seqcompile.unregister_pattern("squared_relu")
 
 
-def test_a_pointwise_user_pattern_gets_generated_kernels(squared_relu_pattern):
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+def test_a_pointwise_user_pattern_gets_generated_kernels(squared_relu_pattern, interpret):
     torch.manual_seed(0)
     report = check_fusion(
         MLP(act=lambda t: F.relu(t) ** 2),
