@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # a minute in all: CI runs them in its slow step
+pytestmark = pytest.mark.slow  # a minute in all: CI runs them when it runs each file
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a minute of Triton's compiler: CI runs it in its slow step
+pytestmark = pytest.mark.slow  # a minute of Triton's compiler: CI runs it when it runs each file
 
 COMPILE = textwrap.dedent(
     """

@@ -106,13 +106,12 @@ def test_every_kernel_tier_test_fails_when_the_reference_runs_instead_of_the_ker
          "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(TESTS)],
         capture_output=True, text=True, cwd=TESTS.parent, env=env, timeout=600,
     )  # fmt: skip
-    assert record.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert record.exists(), output
     tests = json.loads(record.read_text())
     naming = {name: t for name, t in tests.items() if t["kernels"]}
     for family in ("attention", "norm", "pointwise", "cross_entropy"):  # each op's own tests
-        assert any(f"tests/ops/test_{family}.py::" in name for name in naming), result.stdout[
-            -3000:
-        ]
+        assert any(f"tests/ops/test_{family}.py::" in name for name in naming), output
     not_failed = [name for name, t in naming.items() if t.get("outcome") != "failed"]
     assert not not_failed, f"passed with the reference running instead: {not_failed}"
     other = {
