@@ -28,6 +28,7 @@ import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers its op)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
+from seqcompile import structure, verify
 from seqcompile.codegen import prepare_kernel
 from seqcompile.memory import accumulate, budget
 from seqcompile.memory.cost import node_cost, roofline_for, total_cost
@@ -58,6 +59,10 @@ class GraphCompile:
     fake_mode: Any = None
     fake_inputs: list[Any] = dataclasses.field(default_factory=list)
     report: CompileReport = dataclasses.field(default_factory=CompileReport)
+    fuse_only: frozenset[str] | None = None
+    """Keys of the sites the fuse stage may fuse (None: every site it can)."""
+    sites: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The sites the fuse stage fused: key to place in the source."""
     accumulation: accumulate.Accumulation | None = None
     accumulating: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The parameters the last forward ran with, whose `.grad` the backward accumulates into."""
@@ -96,8 +101,7 @@ def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:
     """Stage 1: pre-dispatch ATen under Dynamo's fake mode, symbolic sizes kept."""
     state.fake_mode, state.fake_inputs = capture_mod.fake_inputs(state.example_inputs)
     traced = capture_mod.trace_pre_dispatch(gm, state.fake_mode, state.fake_inputs)
-    for note in traced.meta.pop("capture_notes"):
-        state.report.missed.append(Missed(state.name, "checkpoint", note))
+    state.report.missed += traced.meta.pop("capture_notes")
     return traced
 
 
@@ -122,10 +126,18 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
         if isinstance(example, torch.Tensor) and example.requires_grad
     )
     ctx = FuseContext(
-        gm, state.fake_mode, state.report, state.name, training, grad_inputs, state.options
+        gm,
+        state.fake_mode,
+        state.report,
+        state.name,
+        training,
+        grad_inputs,
+        state.options,
+        fuse_only=state.fuse_only,
     )
     run_patterns(builtin_patterns(), ctx)
     fuse_regions(ctx)
+    state.sites = ctx.sites
     return gm
 
 
@@ -178,6 +190,7 @@ def plan_memory(
         forward, backward = partition(
             joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
         )
+    given = [structure.signature(g, paths=False) for g in (forward, backward)]
     redone = budget.recomputed_in(backward, joint_forward)
     for spec in fold_gradient_sums(backward):
         state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
@@ -190,6 +203,8 @@ def plan_memory(
         state.accumulation = accumulate.accumulate_into_grads(backward, positions)
     state.dump("plan_memory_forward", forward)
     state.dump("plan_memory_backward", backward)
+    for graph, signature in zip((forward, backward), given, strict=True):
+        structure.check("plan_memory", graph, signature)
     step = step_memory(forward, backward, num_fwd_outputs, _parameters(state), redone)
     step_seconds = sum(
         node_cost(n).seconds(roofline) for gm in (forward, backward) for n in gm.graph.nodes
@@ -317,21 +332,71 @@ def seqfast(
         _configure_log(opts.log)
     if opts.disable:
         return gm.forward
-    state = GraphCompile(
-        name=f"graph_{next(_graph_ids)}",
-        options=opts,
-        rest=opts.rest or _default_rest(example_inputs),
-        example_inputs=example_inputs,
-    )
-    state.dump("dynamo", gm)
-    for stage in STAGES:
-        gm = stage(gm, state)
-        state.dump(stage.__name__, gm)
-    compiled = differentiate(gm, state)
-    # The lazily compiled backward keeps `state` alive: drop the first call's inputs from it.
-    state.example_inputs, state.fake_inputs = (), []
+    compiled, state = _compile(gm, example_inputs, opts)
+    if opts.verify:
+        compiled = _verify(gm, opts, compiled, state)
     state.report.graphs.append(state.name)
     state.write_report()
     publish(state.report)
     log.info("%s compiled:\n%s", state.name, state.report)
     return compiled
+
+
+def _compile(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    opts: Options,
+    fuse_only: frozenset[str] | None = None,
+) -> tuple[Callable[..., Any], GraphCompile]:
+    """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused."""
+    state = GraphCompile(
+        name=f"graph_{next(_graph_ids)}",
+        options=opts,
+        rest=opts.rest or _default_rest(example_inputs),
+        example_inputs=example_inputs,
+        fuse_only=fuse_only,
+    )
+    state.dump("dynamo", gm)
+    shape = structure.signature(gm, meta_key="example_value")
+    for stage in STAGES:
+        gm = stage(gm, state)
+        state.dump(stage.__name__, gm)
+        shape = structure.check(stage.__name__, gm, shape)
+    compiled = differentiate(gm, state)
+    # The lazily compiled backward keeps `state` alive: drop the first call's inputs from it.
+    state.example_inputs, state.fake_inputs = (), []
+    return compiled, state
+
+
+def _verify(
+    gm: GraphModule, opts: Options, compiled: Callable[..., Any], state: GraphCompile
+) -> Callable[..., Any]:
+    """`compiled`, compared with Dynamo's graph on its first call's inputs; from then on it runs
+    without the fused sites that made them differ. What was found is published as a report of its
+    own and added to the dump's report."""
+    quiet = dataclasses.replace(opts, dump_dir=None, verify=False)
+    chosen: list[Callable[..., Any]] = []
+
+    def run(*args: Any) -> Any:
+        if not chosen:
+
+            def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
+                again, again_state = _compile(gm, args, quiet, only)
+                return again, again_state.sites
+
+            result, finding = verify.verified(
+                state.name, gm, compiled, state.sites, recompile, args, state.dump_dir
+            )
+            found = CompileReport(verified=[finding])
+            found.counts.subtract(site.split(":")[0] for site in finding.left_unfused)
+            found.missed += [
+                Missed(state.name, "verify", f"left unfused: {site}")
+                for site in finding.left_unfused
+            ]
+            state.report.merge(found)
+            state.write_report()
+            publish(found)
+            chosen.append(result)
+        return chosen[0](*args)
+
+    return run

@@ -4,7 +4,10 @@ the fake mode Dynamo used, so symbolic sizes stay symbolic and every node carrie
 Two things Dynamo keeps as regions are opened up: autocast regions become explicit casts
 (`autocast.py`), and `torch.utils.checkpoint` regions are inlined with each traced node tagged
 for recomputation (`meta["recompute"]`, `meta["ac_graph_id"]`, as torch tags them), so patterns
-fuse inside them and the partitioner recomputes them in the backward."""
+fuse inside them and the partitioner recomputes them in the backward. A custom
+`torch.autograd.Function` stays one opaque node: its backward is the user's, so nothing inside it
+may be fused or differentiated another way (inlined, its forward would run without grad and its
+parameters would get no gradient)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,18 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    make_fx,
+    track_tensor_tree,
+)
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from seqcompile import autocast
+from seqcompile.fx_utils import site_name
+from seqcompile.report import Missed
 
 
 def fake_inputs(example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list[Any]]:
@@ -39,7 +50,7 @@ def trace_pre_dispatch(
     Running it through an Interpreter under `preserve_node_meta` carries each node's source
     location and module path to the new nodes."""
 
-    notes: list[str] = []
+    notes: list[Missed] = []
     regions = itertools.count(1)
 
     def run(*args: Any) -> Any:
@@ -53,6 +64,7 @@ def trace_pre_dispatch(
 
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
 
 
 class _CaptureInterpreter(torch.fx.Interpreter):
@@ -60,9 +72,13 @@ class _CaptureInterpreter(torch.fx.Interpreter):
     record autocast's dtypes (replaying `_enter_autocast` under pre-dispatch tracing only
     records it), and with checkpoint regions run inline, their nodes tagged for recomputation."""
 
-    def __init__(self, gm: GraphModule, regions: Iterator[int], notes: list[str]) -> None:
+    def __init__(self, gm: GraphModule, regions: Iterator[int], notes: list[Missed]) -> None:
         super().__init__(gm)
         self.regions, self.notes = regions, notes
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is autocast.ENTER:
@@ -73,6 +89,15 @@ class _CaptureInterpreter(torch.fx.Interpreter):
             body, *operands = args
             self._tag(body)
             return _CaptureInterpreter(body, self.regions, self.notes).run(*operands)
+        if target is AUTOGRAD_FUNCTION:
+            self.notes.append(
+                Missed(
+                    site_name(self.node),
+                    "custom autograd.Function",
+                    "runs as written with its own backward; nothing inside it is fused",
+                )
+            )
+            return _record_opaque(target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def _tag(self, body: GraphModule) -> None:
@@ -80,14 +105,34 @@ class _CaptureInterpreter(torch.fx.Interpreter):
         selective policy (`context_fn`) is not evaluated: the region is recomputed whole."""
         if body.meta.get("_checkpoint_context_fn") is not None:
             self.notes.append(
-                "a checkpoint's context_fn (selective policy) is not applied: the region is"
-                " recomputed whole"
+                Missed(
+                    site_name(self.node),
+                    "checkpoint",
+                    "a checkpoint's context_fn (selective policy) is not applied: the region is"
+                    " recomputed whole",
+                )
             )
         region = next(self.regions)
         for node in body.graph.nodes:
             if node.op in ("call_function", "call_method", "call_module"):
                 node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 node.meta["ac_graph_id"] = region
+
+
+def _record_opaque(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record `target(*args, **kwargs)` as one node of the graph being traced, its graph-module
+    arguments (a custom Function's forward and backward bodies) as submodules, instead of tracing
+    through it. The values it returns are computed untraced."""
+    mode = get_proxy_mode()
+    root = mode.tracer.root
+    for body in (a for a in args if isinstance(a, GraphModule)):
+        taken = sum(isinstance(m, GraphModule) for m in root.children())
+        root.register_module(f"opaque_body_{taken}", body)
+    proxy_args, proxy_kwargs = pytree.tree_map(mode.tracer.unwrap_proxy, (args, kwargs))
+    proxy = mode.tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
+    with disable_proxy_modes_tracing():
+        out = target(*args, **kwargs)
+    return track_tensor_tree(out, proxy, constant=None, tracer=mode.tracer)
 
 
 def trace_function(fn: Any, example_inputs: Sequence[Any], what: str) -> GraphModule:

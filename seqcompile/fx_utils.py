@@ -14,6 +14,16 @@ from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
+RESHAPES = (
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.contiguous.default,
+)
+"""The ops that give a tensor another shape (or layout) over the same elements in the same
+logical order."""
+
 
 def val(node: Any) -> Any:
     """The fake value recorded on `node` (None for non-nodes or nodes without one)."""
@@ -90,6 +100,30 @@ def source_meta(node: Node) -> dict[str, Any]:
     """The metadata a replacement inherits from `node`: its source line, module path and
     checkpoint tags (a node made for a checkpointed one is recomputed with it)."""
     return {k: v for k, v in node.meta.items() if k in _SOURCE_META}
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides over the dimensions longer than one (the others' strides mean nothing), at
+    the traced sizes."""
+    return a.dim() == b.dim() and all(
+        concrete(x) == concrete(y)
+        for x, y, size in zip(a.stride(), b.stride(), a.shape, strict=True)
+        if concrete(size) != 1
+    )
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and without gaps, in some order of the dimensions (at the traced sizes)."""
+    sizes = [concrete(s) for s in t.shape]
+    strides = [concrete(s) for s in t.stride()]
+    expected = 1
+    for stride, size in sorted(zip(strides, sizes, strict=True)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def insert_getitem(graph: Graph, node: Node, index: int) -> Node:

@@ -16,7 +16,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile import normalize_loss
-from seqcompile.fx_utils import arg, erase_unused, insert_call, is_call, source_meta, tensor_val
+from seqcompile.fx_utils import (
+    RESHAPES,
+    arg,
+    erase_unused,
+    insert_call,
+    is_call,
+    source_meta,
+    tensor_val,
+)
 
 aten = torch.ops.aten
 Rewrite = Callable[[Node, "RuleContext"], Node | None]
@@ -88,13 +96,10 @@ def _one_cast_spelling(node: Node, ctx: RuleContext) -> Node | None:
     return ctx.call(aten.to.dtype, node.args[0], dtype)
 
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _cast_after_reshape(node: Node, ctx: RuleContext) -> Node | None:
     """`reshape(to(x, dtype))` becomes `to(reshape(x), dtype)` when the cast is read only there:
     casts move next to their consumer (a loss absorbs the upcast of its logits)."""
-    if not is_call(node, *_RESHAPES) or not is_call(node.args[0], aten.to.dtype):
+    if not is_call(node, *RESHAPES) or not is_call(node.args[0], aten.to.dtype):
         return None
     cast = node.args[0]
     source = tensor_val(cast.args[0])

@@ -163,6 +163,12 @@ class Options:
     `activation_memory_budget`, fractions only) or "none" (nothing recomputed beyond the
     partitioner's choice and the user's checkpoints)."""
 
+    verify: bool = False
+    """Run each compiled graph beside the captured one (eager) on the inputs it was compiled for,
+    forward and backward, and compare; a fused site that makes them differ is found by bisection
+    and left unfused, with a warning, a reproduction script in the dump folder and a line in the
+    report."""
+
     @classmethod
     def resolve(
         cls, options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
@@ -213,5 +219,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "memory_budget": _parse_budget,
     "checkpoint": _parse_choice(CHECKPOINT_CHOICES, allow_none=False),
     "accumulate_grads": _parse_bool,
+    "verify": _parse_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from seqcompile.memory.budget import RecomputePlan
     from seqcompile.memory.cost import NodeCost
     from seqcompile.memory.liveness import StepMemory
+    from seqcompile.verify import Finding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,8 @@ class CompileReport:
     kernels: list[KernelSource] = dataclasses.field(default_factory=list)
     memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
     graphs: list[str] = dataclasses.field(default_factory=list)
+    verified: list[Finding] = dataclasses.field(default_factory=list)
+    """What the `verify` option found, per graph (empty without it)."""
 
     def add_kernel(self, kernel: KernelSource) -> None:
         if kernel not in self.kernels:
@@ -66,6 +69,7 @@ class CompileReport:
             self.add_kernel(kernel)
         self.memory.extend(other.memory)
         self.graphs.extend(other.graphs)
+        self.verified.extend(other.verified)
 
     def __str__(self) -> str:
         lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
@@ -82,6 +86,9 @@ class CompileReport:
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
             "  (no training graph)"
         ]
+        if self.verified:
+            lines += ["", "verify (compiled graph against eager):"]
+            lines += [str(finding) for finding in self.verified]
         return "\n".join(lines) + "\n"
 
 

@@ -51,3 +51,45 @@ def test_symbolic_sizes_stay_symbolic():
     norm = next(n for n in graph.graph.nodes if n.target is aten.layer_norm.default)
     rows, width = norm.meta["val"].shape
     assert isinstance(rows, torch.SymInt) and width == 8
+
+
+class _ScaledGelu(torch.autograd.Function):
+    """GELU whose backward is deliberately not GELU's derivative: only the user's backward can
+    give these gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.tanh(x) * 3.0
+
+
+class _CustomFunctionBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x, residual):
+        h = self.norm(x + residual)
+        return self.down(_ScaledGelu.apply(self.up(h))) + h
+
+
+def test_a_custom_autograd_function_keeps_its_backward_and_the_parameters_before_it_their_grads():
+    from checks import check_fusion
+
+    x, residual = torch.randn(2, 5, 8), torch.randn(2, 5, 8, requires_grad=True)
+    check_fusion(
+        _CustomFunctionBlock(), (x, residual), counts={"norm": 1}, missed=["its own backward"]
+    )
+
+
+def test_a_custom_autograd_function_is_one_opaque_node():
+    graph = captured(lambda x: _ScaledGelu.apply(x) * 2, torch.randn(4, requires_grad=True))
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.higher_order.autograd_function_apply in targets
+    assert aten.gelu.default not in targets, "the custom function's body was traced inline"

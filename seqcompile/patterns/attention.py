@@ -7,7 +7,10 @@ the scores' chain back to `q @ k^T`, where each link is a scale (multiply or div
 an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), or a cast; on the
 matmul's operands, a constant scale on q or k. A boolean mask built by `tril`/`triu` of ones is
 recognized as causal and not read at all. `bmm`, `baddbmm` and `einsum` arrive here as `matmul`
-(see normalize.py).
+(see normalize.py). Reshapes that split or merge batch dimensions on either side of the softmax
+(heads flattened into the batch for `bmm`, split back out for a (B, 1, Lq, Lk) mask) are followed
+too: the fused op works in the softmax's batch dimensions, and q, k, v, the output and each bias
+or mask are reshaped into them.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import math
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile import runtime
 from seqcompile.fx_utils import (
+    RESHAPES,
     arg,
     barrier_between,
     erase_unused,
@@ -61,6 +66,12 @@ class Site:
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
+    batch: tuple | None = None
+    """The softmax's batch dimensions, where a reshape between the products and the softmax
+    gives them another shape than q, k and v have: the fused op runs on q, k, v reshaped to them."""
+    frames: dict[Node, tuple] = dataclasses.field(default_factory=dict)
+    """Biases and masks applied to the scores before such a reshape, with the batch dimensions of
+    the scores there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,17 +122,33 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 
 Link = tuple
 """One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node, sign),
-("mask", node, keeps, value), ("shift",) for a constant added to every score, or ("cast",)."""
+("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",), or
+("batch", dims) for a reshape of the batch dimensions, `dims` being those of its input."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
 exp(-1e4) is 0 in float32, so hidden keys add nothing to a row's softmax either way."""
 
 
+def _batch_reshape(node: Node) -> bool:
+    """A reshape that keeps the last two dimensions and only splits or merges the ones before."""
+    if not is_call(node, *RESHAPES):
+        return False
+    before, after = tensor_val(node.args[0]), tensor_val(node)
+    return (
+        before.dim() >= 2
+        and after.dim() >= 2
+        and statically_known_true(before.shape[-2] == after.shape[-2])
+        and statically_known_true(before.shape[-1] == after.shape[-1])
+    )
+
+
 def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     """What `node` does to the scores, and the operands that may continue the chain upward."""
     if is_call(node, *CASTS):
         return ("cast",), [node.args[0]]
+    if _batch_reshape(node):
+        return ("batch", tuple(tensor_val(node.args[0]).shape[:-2])), [node.args[0]]
     factor = _scale_factor(node)
     if factor is not None and factor[1] != 0:
         return ("scale", factor[1]), [factor[0]]
@@ -186,7 +213,7 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
         user = users[0]
         if is_call(user, aten.matmul.default) and user.args[0] is node:
             return user, p, nodes
-        if is_call(user, *CASTS):
+        if is_call(user, *CASTS) or _batch_reshape(user):
             pass
         elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
             p = float(arg(user, 1, "p"))
@@ -244,6 +271,9 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     q, q_scale = _operand_scale(qk.args[0])
     k_t, k_scale = _operand_scale(qk.args[1])
     site = Site(out=pv, q=q, k=k_t, v=pv.args[1], scale=q_scale * k_scale, p=p)
+    batch = tuple(tensor_val(softmax).shape[:-2])
+    if any(tuple(tensor_val(n).shape[:-2]) != batch for n in (qk, pv)):
+        site.batch = batch
     if _is_last_two_swap(k_t) and len(k_t.users) == 1:
         site.k, k_scale_inner = _operand_scale(k_t.args[0])
         site.scale *= k_scale_inner
@@ -251,16 +281,23 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     else:
         site.k_transposed = True
     site.nodes += [qk, *score_nodes, *prob_nodes]
-    return _apply_links(site, links, tensor_val(qk))
+    return _apply_links(site, links, tensor_val(qk), batch)
 
 
-def _apply_links(site: Site, links: list[Link], scores: torch.Tensor) -> Site | Reject:
+def _apply_links(
+    site: Site, links: list[Link], scores: torch.Tensor, batch: tuple
+) -> Site | Reject:
     """Fold the links (latest first, from the softmax up) into the site's scale, biases and
     masks: a scale after a bias or a fill scales that bias or value too. The kernel adds the bias
     before it fills, so a finite fill must not come before a bias add."""
     factor_after = 1.0
     values, causal_fills, bias_seen = set(), set(), False
+    frame = site.batch
     for link in links:
+        if link[0] == "batch":
+            frame = link[1]
+        elif link[0] in ("bias", "mask") and frame != site.batch:
+            site.frames[link[1]] = frame
         if link[0] == "scale":
             factor_after *= link[1]
         elif link[0] == "bias":
@@ -301,6 +338,12 @@ def _check(site: Site) -> Reject | None:
         if k.dim() < 2:
             return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
+    if site.batch is not None:
+        if not all(_same_count(t.shape[:-2], site.batch) for t in (q, k, v)):
+            return Reject(
+                "the scores' batch dimensions are reshaped to {} but q, k, v broadcast", site.batch
+            )
+        q, k, v = (t.reshape(*site.batch, *t.shape[-2:]) for t in (q, k, v))
     for t in (q, k, v):
         if t.dtype not in attention_op.DTYPES:
             return Reject("dtype {} is not supported (float32, float16, bfloat16)", t.dtype)
@@ -320,7 +363,9 @@ def _check(site: Site) -> Reject | None:
     scores = layout.scores_shape(q, k)
     for node in [b for b, _ in site.biases] + [m for m, _ in site.keep]:
         shape = tensor_val(node).shape
-        if not broadcasts_to(shape, scores):
+        frame = site.frames.get(node)
+        where = scores if frame is None else (*frame, *scores[-2:])
+        if not broadcasts_to(shape, where):
             return Reject(
                 "mask or bias of shape {} does not broadcast to the scores {}", shape, scores
             )
@@ -332,9 +377,25 @@ def _check(site: Site) -> Reject | None:
     return None
 
 
+def _same_count(dims: tuple, other: tuple) -> bool:
+    return statically_known_true(math.prod(dims) == math.prod(other))
+
+
+def _in_batch(ctx: FuseContext, node: Node, batch: tuple, frame: tuple | None = None) -> Node:
+    """`node` reshaped to the batch dimensions `batch`: from its own, or, for a bias or mask, from
+    `frame`, the scores' batch dimensions where it applies (over which it is expanded first)."""
+    if frame is not None:
+        t = tensor_val(node)
+        rows = (1,) * max(0, 2 - t.dim()) + tuple(t.shape[-2:])
+        node = ctx.call(aten.expand.default, node, [*frame, *rows])
+    return ctx.call(aten.reshape.default, node, [*batch, *tensor_val(node).shape[-2:]])
+
+
 def _combined_bias(ctx: FuseContext, site: Site) -> Node | None:
     total = None
     for bias, factor in site.biases:
+        if bias in site.frames:
+            bias = _in_batch(ctx, bias, site.batch, site.frames[bias])
         if factor != 1.0:
             bias = ctx.call(aten.mul.Tensor, bias, factor)
         total = bias if total is None else ctx.call(aten.add.Tensor, total, bias)
@@ -345,6 +406,8 @@ def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
     """One boolean mask, True where a query may attend."""
     total = None
     for mask, keeps in site.keep:
+        if mask in site.frames:
+            mask = _in_batch(ctx, mask, site.batch, site.frames[mask])
         if not keeps:
             inverted = is_call(mask, aten.bitwise_not.default, aten.logical_not.default)
             mask = mask.args[0] if inverted else ctx.call(aten.logical_not.default, mask)
@@ -357,19 +420,25 @@ def _rewrite(site: Site, name: str) -> Rewrite:
         graph = ctx.gm.graph
         out_val = tensor_val(site.out)
         with graph.inserting_before(site.out):
-            k = ctx.call(aten.transpose.int, site.k, -2, -1) if site.k_transposed else site.k
+            q, k, v = site.q, site.k, site.v
+            if site.batch is not None:
+                q, k, v = (_in_batch(ctx, n, site.batch) for n in (q, k, v))
+            k = ctx.call(aten.transpose.int, k, -2, -1) if site.k_transposed else k
             bias, mask = _combined_bias(ctx, site), _combined_mask(ctx, site)
             seed = ctx.seed(out_val.device) if site.p > 0 else None
             stream = ctx.next_stream() if site.p > 0 else 0
             masked_value = site.masked_value if site.masked_value is not None else -math.inf
             fused = ctx.call(
                 torch.ops.seqfast.attention.default,
-                site.q, k, site.v, bias, mask, seed, stream, site.p, site.scale, site.causal,
+                q, k, v, bias, mask, seed, stream, site.p, site.scale, site.causal,
                 masked_value,
             )  # fmt: skip
             out = insert_getitem(graph, fused, 0)
+            if site.batch is not None:
+                out = ctx.call(aten.reshape.default, out, list(out_val.shape))
             if tensor_val(out).dtype != out_val.dtype:
                 out = ctx.call(aten.to.dtype, out, out_val.dtype)
+        out = ctx.in_layout_of(out, out_val)
         site.out.replace_all_uses_with(out)
         erase_unused([site.out, *site.nodes])
         _prepare_kernels(ctx, site, bias, mask, name)

@@ -12,7 +12,16 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen import KernelSpec, prepare_kernel
-from seqcompile.fx_utils import depends_on, insert_call, site_name, source_meta
+from seqcompile.fx_utils import (
+    concrete,
+    depends_on,
+    insert_call,
+    is_dense,
+    same_layout,
+    site_name,
+    source_meta,
+    tensor_val,
+)
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
@@ -61,6 +70,10 @@ class FuseContext:
     options: Options = dataclasses.field(default_factory=Options)
     site: Node | None = None
     """The anchor being rewritten; new nodes inherit its source location."""
+    fuse_only: frozenset[str] | None = None
+    """Keys of the sites that may be fused (None: every site); `verify` narrows it."""
+    sites: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Key ("family:anchor") of each site fused, in order, with its place in the source."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
     _streams: int = 0
 
@@ -69,6 +82,25 @@ class FuseContext:
         if self.site is not None:
             node.meta.update(source_meta(self.site))
         return node
+
+    def in_layout_of(self, value: Node, like: torch.Tensor) -> Node:
+        """`value`, or a copy of it in `like`'s memory layout where the two differ, inserted after
+        `value`: the node a fused op replaces may have been laid out otherwise (SDPA returns
+        heads-inner strides), and a reader such as `view` depends on it. A `like` that is not dense
+        is not copied; the structural check reports a reader that then fails."""
+        have = tensor_val(value)
+        if have is None or same_layout(have, like) or not is_dense(like):
+            return value
+        strides = [concrete(s) for s in like.stride()]
+        order = sorted(range(like.dim()), key=lambda d: (-strides[d], d))
+        inverse = sorted(range(like.dim()), key=order.__getitem__)
+        graph = self.gm.graph
+        with graph.inserting_after(value):
+            permuted = self.call(aten.permute.default, value, order)
+        with graph.inserting_after(permuted):
+            packed = self.call(aten.clone.default, permuted, memory_format=torch.contiguous_format)
+        with graph.inserting_after(packed):
+            return self.call(aten.permute.default, packed, inverse)
 
     def requires_grad(self, node: Node | None) -> bool:
         return self.training and node is not None and depends_on(node, self.grad_inputs)
@@ -94,9 +126,21 @@ class FuseContext:
         self._streams += 1
         return self._streams
 
+    def admits(self, family: str, anchor: Node) -> bool:
+        """Whether the site anchored at `anchor` may be fused."""
+        return self.fuse_only is None or site_key(family, anchor) in self.fuse_only
+
+    def fused(self, family: str, anchor: Node) -> None:
+        self.sites[site_key(family, anchor)] = site_name(anchor)
+
     def kernels(self, specs: list[KernelSpec], site: str) -> None:
         for spec in specs:
             self.report.add_kernel(prepare_kernel(spec, f"{site} in {self.graph_name}"))
+
+
+def site_key(family: str, anchor: Node) -> str:
+    """A fused site's name, the same in every compile of the graph."""
+    return f"{family}:{anchor.name}"
 
 
 def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
@@ -110,11 +154,12 @@ def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
                 continue
             if isinstance(found, Reject):
                 ctx.report.missed.append(Missed(site_name(node), pattern.family, found.reason))
-            else:
+            elif ctx.admits(pattern.family, node):
                 ctx.site = node
                 with ctx.gm.graph.inserting_before(node):
                     found(ctx)
                 ctx.site = None
+                ctx.fused(pattern.family, node)
                 ctx.report.counts[pattern.family] += 1
             break
     ctx.gm.graph.eliminate_dead_code()  # what fed only replaced nodes (a causal mask's builders)

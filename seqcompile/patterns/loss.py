@@ -4,7 +4,10 @@ LM head, an output projection, a tied embedding) and nothing else reads them, th
 loss in `seqfast::linear_cross_entropy`, which never builds the full logits.
 
 An upcast of the logits to float32 before the loss is absorbed: the kernels read the logits in
-their own dtype and compute in float32 either way.
+their own dtype and compute in float32 either way. Logits with the classes on dim 1 of three or
+more dims (`(B, V, T)`, often a transpose of `(B, T, V)`) are read as `(rows, classes)` rows when
+that is a view with contiguous classes, and refused with the reason otherwise. An `nll_loss` that
+normalization left alone is reported with the reason.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import dataclasses
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from seqcompile import normalize_loss
 from seqcompile.fx_utils import (
+    RESHAPES,
     arg,
     erase_unused,
     insert_getitem,
@@ -32,14 +38,8 @@ aten = torch.ops.aten
 FAMILY = "loss"
 _NONE, _MEAN, _SUM = 0, 1, 2
 _HALF = (torch.float16, torch.bfloat16)
-_ROW_VIEWS = (
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.flatten.using_ints,
-    aten.contiguous.default,
-)
 _TRANSPOSES = (aten.t.default, aten.numpy_T.default)
+_PERMUTES = (aten.transpose.int, aten.permute.default)
 _AUTOCAST_SWITCHES = (
     torch.amp.autocast_mode._enter_autocast,
     torch.amp.autocast_mode._exit_autocast,
@@ -50,13 +50,15 @@ _AUTOCAST_SWITCHES = (
 class Loss:
     node: Node
     logits: Node
-    """What the kernels read: the loss's input with an upcast stripped."""
+    """What the kernels read: the loss's input with an upcast and transposes stripped."""
+    order: list[int] | None
+    """The permutation that puts the classes of `logits` last (None: they are last)."""
     target: Node
     reduction: int
     ignore_index: int
     smoothing: float
     absorbed: list[Node]
-    """Nodes between `logits` and the loss that the fused op replaces (the upcast)."""
+    """Nodes between `logits` and the loss that the fused op replaces (upcast, transposes)."""
 
 
 @dataclasses.dataclass
@@ -70,6 +72,9 @@ class Linear:
 
 
 def _read_loss(node: Node) -> Loss | Reject | None:
+    if is_call(node, *normalize_loss.NLL):
+        why = normalize_loss.nll_log_probs(node)
+        return Reject("nll_loss is not read as a cross-entropy: {}", why)
     if not is_call(node, aten.cross_entropy_loss.default):
         return None
     x, target = node.args[0], node.args[1]
@@ -79,25 +84,69 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     xv, tv = tensor_val(x), tensor_val(target)
     if weight is not None:
         return Reject("class weights are not supported by the fused cross-entropy")
-    if xv is None or xv.dim() != 2:
-        return Reject("logits of rank {} (the fused loss takes (tokens, classes))", xv.dim())
-    if tv is None or tv.dtype.is_floating_point or tv.dim() != 1:
-        return Reject("targets must be class indices of shape (tokens,); probabilities are not")
+    if xv is None or xv.dim() < 2:
+        return Reject("logits of rank {} (the fused loss takes classes on dim 1)", xv.dim())
+    if tv is None or tv.dtype.is_floating_point or tv.dim() != xv.dim() - 1:
+        return Reject("targets must be class indices, one per row; probabilities are not")
     if xv.dtype not in (torch.float32, *_HALF):
         return Reject("logits dtype {} is not supported (float32, float16, bfloat16)", xv.dtype)
     if not 0.0 <= smoothing <= 1.0:
         return Reject("label_smoothing {} is outside [0, 1]", smoothing)
-    logits, absorbed = x, []
-    source = x.args[0] if is_call(x, aten.to.dtype, aten._to_copy.default) else None
-    if source is not None and only_user(x) is node and tensor_val(source).dtype in _HALF:
-        logits, absorbed = source, [x]
-    return Loss(node, logits, target, reduction, ignore_index, smoothing, absorbed)
+    logits, order, absorbed = _classes_last(x, node) if xv.dim() > 2 else (x, None, [])
+    reader = absorbed[-1] if absorbed else node
+    source = logits.args[0] if is_call(logits, aten.to.dtype, aten._to_copy.default) else None
+    if source is not None and only_user(logits) is reader and tensor_val(source).dtype in _HALF:
+        logits, absorbed = source, [*absorbed, logits]
+    why = _why_not_rows(tensor_val(logits), order) if xv.dim() > 2 else None
+    if why is not None:
+        return Reject(why)
+    return Loss(node, logits, order, target, reduction, ignore_index, smoothing, absorbed)
+
+
+def _classes_last(x: Node, loss: Node) -> tuple[Node, list[int] | None, list[Node]]:
+    """(source, order, transposes): `x` (classes on dim 1) is `source` seen through
+    `transposes`, and `source.permute(order)` has the classes last (order None: `source` has)."""
+    rank = tensor_val(x).dim()
+    order = [0, *range(2, rank), 1]
+    transposes, reader = [], loss
+    while is_call(x, *_PERMUTES) and only_user(x) is reader:
+        if is_call(x, aten.transpose.int):
+            a, b = (d % rank for d in x.args[1:3])
+            inner = list(range(rank))
+            inner[a], inner[b] = b, a
+        else:
+            inner = [d % rank for d in x.args[1]]
+        order = [inner[d] for d in order]
+        transposes.append(x)
+        reader, x = x, x.args[0]
+    return x, None if order == sorted(order) else order, transposes
+
+
+def _why_not_rows(value: torch.Tensor, order: list[int] | None) -> str | None:
+    """Why `value.permute(order)` (classes last) is not (rows, classes) rows of one stride with
+    contiguous classes, which the kernels read without a copy (None: it is)."""
+    order = order or list(range(value.dim()))
+    sizes = [value.shape[d] for d in order]
+    strides = [value.stride(d) for d in order]
+    rows_merge = all(
+        statically_known_true(sizes[i + 1] == 1)
+        or statically_known_true(strides[i] == strides[i + 1] * sizes[i + 1])
+        for i in range(len(sizes) - 2)
+    )
+    if statically_known_true(strides[-1] == 1) and rows_merge:
+        return None
+    return (
+        f"the logits' classes (size {sizes[-1]}) and rows (sizes {sizes[:-1]}) lie at strides"
+        f" {strides[-1]} and {strides[:-1]}: the fused loss reads rows of contiguous classes, so"
+        " they would be copied (compute the logits with the classes last, e.g. (B, T, V), and"
+        " pass logits.flatten(0, 1) and target.flatten())"
+    )
 
 
 def _read_linear(logits: Node) -> Linear | None:
     """The linear that produced `logits` through reshapes that keep the rows in order."""
     views, node = [], logits
-    while is_call(node, *_ROW_VIEWS):
+    while is_call(node, *RESHAPES):
         views.append(node)
         node = node.args[0]
     if is_call(node, aten.linear.default):
@@ -138,7 +187,9 @@ def _only_autocast_between(first: Node, last: Node) -> bool:
 
 def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
     if loss.reduction == _NONE:
-        return rows
+        if tensor_val(loss.target).dim() == 1:
+            return rows
+        return ctx.call(aten.view_as.default, rows, loss.target)
     total = ctx.call(aten.sum.default, rows)
     if loss.reduction == _SUM:
         return total
@@ -146,13 +197,26 @@ def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
     return ctx.call(aten.div.Tensor, total, ctx.call(aten.sum.default, kept))
 
 
+def _rows(ctx: FuseContext, loss: Loss) -> Node:
+    """The logits as (rows, classes)."""
+    logits = loss.logits
+    if loss.order is not None:
+        logits = ctx.call(aten.permute.default, logits, loss.order)
+    if tensor_val(logits).dim() > 2:
+        logits = ctx.call(aten.flatten.using_ints, logits, 0, -2)
+    return logits
+
+
 def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
     def apply(ctx: FuseContext) -> Node:
         out_dtype = tensor_val(loss.node).dtype
+        target = loss.target
+        if tensor_val(target).dim() > 1:
+            target = ctx.call(aten.reshape.default, target, [-1])
         if linear is None:
             fused = ctx.call(
                 torch.ops.seqfast.cross_entropy.default,
-                loss.logits, loss.target, loss.ignore_index, loss.smoothing,
+                _rows(ctx, loss), target, loss.ignore_index, loss.smoothing,
             )  # fmt: skip
             result = _reduce(ctx, loss, insert_getitem(ctx.gm.graph, fused, 0))
             specs = [ce_op.spec("forward")] + ([ce_op.spec("backward")] if ctx.training else [])
@@ -162,7 +226,7 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
             needs = [ctx.requires_grad(n) for n in (linear.hidden, linear.weight, linear.bias)]
             fused = ctx.call(
                 torch.ops.seqfast.linear_cross_entropy.default,
-                hidden, linear.weight, linear.bias, loss.target, loss.ignore_index,
+                hidden, linear.weight, linear.bias, target, loss.ignore_index,
                 loss.smoothing, loss.reduction == _MEAN, ctx.options.loss_chunk,
                 tensor_val(linear.node).dtype, needs,
             )  # fmt: skip
@@ -170,7 +234,7 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
             specs = [ce_op.spec("forward_grad")]
         if tensor_val(result).dtype != out_dtype:
             result = ctx.call(aten.to.dtype, result, out_dtype)
-        loss.node.replace_all_uses_with(result)
+        loss.node.replace_all_uses_with(ctx.in_layout_of(result, tensor_val(loss.node)))
         replaced = [loss.node, *loss.absorbed]
         if linear is not None:
             replaced += [*linear.views, linear.node]
@@ -190,7 +254,7 @@ class LossPattern:
         loss = _read_loss(node)
         if loss is None or isinstance(loss, Reject):
             return loss
-        linear = _read_linear(loss.logits)
+        linear = _read_linear(loss.logits) if loss.order is None else None
         why = _why_logits_stay(loss, linear) if linear is not None else None
         if why is not None:
             ctx.report.missed.append(Missed(site_name(node), "linear_cross_entropy", why))

@@ -3,8 +3,9 @@ becomes one `seqfast::add_norm`.
 
 A match composes independent readers: a *core* (aten `layer_norm`, aten `rms_norm`, or RMSNorm
 written out as T5 and LLaMA do) and a *prologue* on the core's input (a residual add, dropout on
-the branch, a bias on the branch, including a linear's own bias). When the sum also feeds other
-nodes (pre-LN blocks), the fused op's second output replaces it there.
+the branch, a bias on the branch, including a linear's own bias), read through reshapes between
+the sum and the norm that keep the rows (OPT's `(residual + x).view(shape)`). When the sum also
+feeds other nodes (pre-LN blocks), the fused op's second output replaces it there.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import dataclasses
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile import runtime
 from seqcompile.fx_utils import (
+    RESHAPES,
     arg,
     barrier_between,
     erase_unused,
@@ -63,6 +66,9 @@ class Prologue:
     linear: Node | None = None
     """A linear whose bias becomes `branch_bias`; it is rebuilt without one."""
     nodes: list[Node] = dataclasses.field(default_factory=list)
+    views: list[Node] = dataclasses.field(default_factory=list)
+    """Reshapes from `total` to the norm's input, in order, each keeping the last dim: the fused
+    op works in the sum's shape and its normalized output is reshaped the same way."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,20 +190,37 @@ def _bias_operands(node: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _read_prologue(z: Node) -> Prologue:
+def _keeps_rows(node: Node) -> bool:
+    """`node` reshapes its input without changing the last dim: a row-wise norm commutes with it."""
+    if not is_call(node, *RESHAPES):
+        return False
+    before, after = tensor_val(node.args[0]), tensor_val(node)
+    return (
+        before is not None
+        and after is not None
+        and min(before.dim(), after.dim()) >= 1
+        and statically_known_true(before.shape[-1] == after.shape[-1])
+    )
+
+
+def _read_prologue(norm_input: Node) -> Prologue:
+    z, views = norm_input, []
+    while _keeps_rows(z):
+        views.insert(0, z)
+        z = z.args[0]
     value = tensor_val(z)
     if not is_call(z, aten.add.Tensor) or arg(z, 2, "alpha", 1) != 1:
-        return Prologue(z)
+        return Prologue(norm_input)
     a, b = z.args[:2]
     av, bv = tensor_val(a), tensor_val(b)
     if av is None or bv is None or not (same_shape(av, value) and same_shape(bv, value)):
-        return Prologue(z)
+        return Prologue(norm_input)
 
     def score(n: Node) -> int:
         return 2 if _foldable_dropout(n) else 1 if _foldable_bias(n) else 0
 
     residual, x = (b, a) if score(a) > score(b) else (a, b)
-    prologue = Prologue(x, residual=residual, total=z)
+    prologue = Prologue(x, residual=residual, total=z, views=views)
     if _foldable_dropout(x):
         prologue.p = float(arg(x, 1, "p"))
         prologue.nodes.append(x)
@@ -240,10 +263,15 @@ def _check(core: Core, prologue: Prologue) -> Reject | None:
 
 
 def _other_readers(core: Core, prologue: Prologue) -> list[Node]:
-    """Readers of the residual sum outside the normalization (the next block's residual add)."""
+    """Readers of the residual sum outside the normalization (the next block's residual add).
+    The first reshape towards the norm is one when a reshape on the way is read elsewhere."""
     if prologue.total is None:
         return []
-    return [u for u in prologue.total.users if u is not core.out and u not in core.nodes]
+    inside = {core.out, *core.nodes, *prologue.views}
+    readers = [u for u in prologue.total.users if u not in inside]
+    if any(u not in inside for view in prologue.views for u in view.users):
+        readers.append(prologue.views[0])
+    return readers
 
 
 def _placement(
@@ -281,11 +309,17 @@ def _rewrite(
             )  # fmt: skip
             out = insert_getitem(graph, fused, 0)
             total = insert_getitem(graph, fused, 1) if readers else None
-        core.out.replace_all_uses_with(out)
+        # after every reshape and its size arguments
+        with graph.inserting_before(core.out):
+            for view in prologue.views:
+                out = ctx.call(view.target, out, *view.args[1:], **view.kwargs)
+        core.out.replace_all_uses_with(ctx.in_layout_of(out, out_val))
+        if readers:
+            total = ctx.in_layout_of(total, tensor_val(prologue.total))
         for reader in readers:
             reader.replace_input_with(prologue.total, total)
         erase_unused(
-            [core.out, *core.nodes, *prologue.nodes]
+            [core.out, *core.nodes, *prologue.nodes, *prologue.views]
             + [n for n in (prologue.total, prologue.linear) if n is not None]
         )
         _prepare_kernels(ctx, core, prologue, fused, bool(readers), site)

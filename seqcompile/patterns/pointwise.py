@@ -243,10 +243,14 @@ def fuse_regions(ctx: FuseContext) -> None:
     borders = _borders(refusals, {n for nodes in chosen for n in nodes})
     fused: set[Node] = set()
     for nodes in chosen:
+        anchor = nodes[-1]
+        if not ctx.admits(FAMILY, anchor):
+            continue
         reason = _replace(ctx, nodes)
         if reason is not None:
-            ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, reason))
+            ctx.report.missed.append(Missed(site_name(anchor), FAMILY, reason))
         else:
+            ctx.fused(FAMILY, anchor)
             fused.update(nodes)
     for node, (reason, neighbours) in borders.items():
         if neighbours & fused:
@@ -349,9 +353,10 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
         call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
     with ctx.gm.graph.inserting_after(call):
         items = [insert_getitem(ctx.gm.graph, call, k) for k in range(len(outputs))]
-    ctx.site = None
     for o, item in zip(outputs, items, strict=True):
+        item = ctx.in_layout_of(item, tensor_val(o))
         o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+    ctx.site = None
     for n in reversed(nodes):
         ctx.gm.graph.erase_node(n)
     name = next((n.meta[USER_PATTERN] for n in nodes if USER_PATTERN in n.meta), FAMILY)

@@ -435,3 +435,44 @@ def test_float32_values_keep_a_float32_result():
     k = torch.randint(-1, 2, (B, H, LK, D), generator=g).bfloat16()
     v = torch.randn(B, H, LK, D, generator=g).requires_grad_()
     fused(lambda q, k, v: softmax_v((q @ k.transpose(-1, -2)).float() * 0.25, v), [q, k, v])
+
+
+def test_heads_merged_with_a_view_after_the_layout_sdpa_returns():
+    """SDPA on heads-inner q (split from one projection) returns heads-inner strides, so
+    `transpose(1, 2)` is already contiguous there and `.contiguous().view(B, L, C)` copies nothing:
+    the fused output must come back in that layout for the view to hold (nanoGPT's spelling)."""
+    g = torch.Generator().manual_seed(0)
+    qkv_proj = torch.randn(B, LQ, 3 * H * D, generator=g, requires_grad=True)
+
+    def attention(x):
+        q, k, v = (t.view(B, LQ, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, LQ, H * D)
+
+    fused(attention, [qkv_proj])
+
+
+def test_heads_split_out_of_the_batch_for_a_mask_and_merged_back_for_bmm():
+    """BLOOM's spelling: baddbmm on flattened heads adds a per-head (B*H, 1, Lk) bias, the scores
+    are viewed as (B, H, Lq, Lk) for a (B, 1, Lq, Lk) mask, and the probabilities viewed back for
+    bmm with the flattened values."""
+    alibi = torch.randn(B * H, 1, LK, requires_grad=True)
+    mask = torch.where(padding(), 0.0, MIN).expand(B, 1, LQ, LK).contiguous()
+
+    def fn(q, k, v, alibi, mask):
+        qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
+        scores = alibi.baddbmm(qf, kf.transpose(-1, -2), beta=1.0, alpha=D**-0.5)
+        weights = scores.view(B, H, LQ, -1) + mask
+        probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs.view(B * H, LQ, -1), vf)
+        return out.view(B, H, LQ, D).permute(0, 2, 1, 3).reshape(B, LQ, H * D)
+
+    fused(fn, [*qkv(), alibi, mask])
+
+
+def test_a_reshape_that_mixes_rows_into_the_batch_stays_unfused():
+    def fn(q, k, v):
+        scores = (q @ k.transpose(-1, -2)).reshape(B, H * LQ, 1, LK)
+        return scores.softmax(-1).reshape(B, H, LQ, LK) @ v
+
+    check_fusion(fn, qkv(), counts={"attention": 0}, missed=["pass through aten.reshape"])

@@ -55,7 +55,8 @@ def test_log_softmax_then_nll_loss():
 
 def label_smoothed_nll_loss(lprobs, target, epsilon, ignore_index):
     """fairseq's (and LightSeq's) label-smoothed loss, as they write it."""
-    target = target.unsqueeze(-1)
+    if target.dim() == lprobs.dim() - 1:
+        target = target.unsqueeze(-1)
     nll_loss = -lprobs.gather(dim=-1, index=target)
     smooth_loss = -lprobs.sum(dim=-1, keepdim=True)
     pad_mask = target.eq(ignore_index)
@@ -75,6 +76,46 @@ def test_fairseq_label_smoothed_loss_and_its_logged_nll():
     check_fusion(loss, logits_and_targets(pad=1), counts={"loss": 2})
 
 
+def label_smoothed_nll_loss_summed_in_turn(lprobs, target, epsilon, ignore_index):
+    """The same loss with each masked term summed as soon as it is made."""
+    target = target.unsqueeze(-1)
+    pad_mask = target.eq(ignore_index)
+    nll_loss = (-lprobs.gather(dim=-1, index=target)).masked_fill(pad_mask, 0.0).sum()
+    smooth_loss = (-lprobs.sum(dim=-1, keepdim=True)).masked_fill(pad_mask, 0.0).sum()
+    eps_i = epsilon / (lprobs.size(-1) - 1)
+    return (1.0 - epsilon - eps_i) * nll_loss + eps_i * smooth_loss, nll_loss
+
+
+FAIRSEQ_SPELLINGS = {
+    # each term summed before the next is made: left unfused, the pointwise fuser refuses the
+    # terms ("a value of the region is used before the region ends")
+    "summed_in_turn": lambda x, t: label_smoothed_nll_loss_summed_in_turn(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.1, ignore_index=1
+    ),
+    # LabelSmoothedCrossEntropyCriterion: lprobs.view(-1, lprobs.size(-1)), target.view(-1)
+    "criterion": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.1, ignore_index=1
+    ),
+    "target_view_rows_by_1": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1, 1), 0.1, ignore_index=1
+    ),
+    # get_normalized_probs: log_softmax(x, dim=-1, dtype=torch.float32)
+    "log_softmax_in_float32": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1, dtype=torch.float32).flatten(0, 1), t.flatten(), 0.1, 1
+    ),
+    "sequences_unflattened": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1), t, 0.1, ignore_index=1
+    ),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(FAIRSEQ_SPELLINGS))
+def test_fairseq_label_smoothed_loss_through_views_of_the_rows(spelling):
+    check_fusion(
+        FAIRSEQ_SPELLINGS[spelling], sequence_logits(pad=1), counts={"loss": 2, "pointwise": 0}
+    )
+
+
 def test_class_weights_are_refused_with_the_reason():
     weights = torch.rand(VOCAB) + 0.5
 
@@ -82,6 +123,141 @@ def test_class_weights_are_refused_with_the_reason():
         return F.cross_entropy(x, t, weight=weights)
 
     check_fusion(loss, logits_and_targets(), counts={"loss": 0}, missed=["class weights"])
+
+
+BATCH, LENGTH = 2, 6
+
+
+def sequence_logits(classes_on_dim_1=False, pad=None, seed=0):
+    """(B, T, V) logits, or a contiguous (B, V, T) tensor, and (B, T) targets."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (BATCH, VOCAB, LENGTH) if classes_on_dim_1 else (BATCH, LENGTH, VOCAB)
+    logits = (2 * torch.randn(shape, generator=g)).requires_grad_()
+    target = torch.randint(VOCAB, (BATCH, LENGTH), generator=g)
+    if pad is not None:
+        target[0, 0] = target[1, -1] = pad
+    return [logits, target]
+
+
+ROW_VIEWS = {
+    "view": lambda lp, t: (lp.view(-1, VOCAB), t.view(-1)),
+    "reshape": lambda lp, t: (lp.reshape(-1, VOCAB), t.reshape(-1)),
+    "flatten": lambda lp, t: (lp.flatten(0, 1), t.flatten()),
+    "view_size": lambda lp, t: (lp.view(-1, lp.size(-1)), t.reshape(-1)),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spelling", sorted(ROW_VIEWS))
+def test_log_softmax_then_a_reshape_of_the_rows_then_nll_loss(spelling, reduction):
+    def loss(x, t):
+        lprobs, target = ROW_VIEWS[spelling](F.log_softmax(x, -1), t)
+        return F.nll_loss(lprobs, target, ignore_index=5, reduction=reduction)
+
+    report = check_fusion(loss, sequence_logits(pad=5), counts={"loss": 1, "pointwise": 0})
+    assert modes(report) == ["backward", "forward"]
+
+
+def test_reshapes_that_split_and_merge_rows_around_log_softmax():
+    def loss(x, t):
+        lprobs = F.log_softmax(x.view(BATCH, LENGTH, VOCAB), dim=2).view(BATCH * LENGTH, VOCAB)
+        return F.nll_loss(lprobs, t, reduction="sum")
+
+    check_fusion(loss, logits_and_targets(), counts={"loss": 1})
+
+
+def test_cross_entropy_of_a_reshape_of_the_rows():
+    def loss(x, t):
+        return F.cross_entropy(x.view(-1, VOCAB), t.view(-1), ignore_index=5)
+
+    check_fusion(loss, sequence_logits(pad=5), counts={"loss": 1})
+
+
+CLASSES_ON_DIM_1 = {
+    "cross_entropy_of_transpose": lambda x, t, **kw: F.cross_entropy(x.transpose(1, 2), t, **kw),
+    "cross_entropy_of_permute": lambda x, t, **kw: F.cross_entropy(x.permute(0, 2, 1), t, **kw),
+    "nll_of_log_softmax_on_dim_1": lambda x, t, **kw: F.nll_loss(
+        F.log_softmax(x.transpose(1, 2), 1), t, **kw
+    ),
+    "nll_of_transposed_log_softmax": lambda x, t, **kw: F.nll_loss(
+        F.log_softmax(x, -1).transpose(1, 2), t, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spelling", sorted(CLASSES_ON_DIM_1))
+def test_classes_on_dim_1_as_a_transposed_view_fuse(spelling, reduction):
+    """(B, V, T) logits that are a transpose of (B, T, V) ones: the rows are a view."""
+
+    def loss(x, t):
+        return CLASSES_ON_DIM_1[spelling](x, t, ignore_index=5, reduction=reduction)
+
+    check_fusion(loss, sequence_logits(pad=5), counts={"loss": 1, "pointwise": 0})
+
+
+def test_classes_on_dim_1_of_four_dims_fuse():
+    """A per-pixel loss: (B, H, W, V) scores permuted to (B, V, H, W), targets (B, H, W)."""
+
+    def loss(x, t):
+        pixels = x.view(BATCH, 2, 3, VOCAB).permute(0, 3, 1, 2)
+        return F.cross_entropy(pixels, t.view(BATCH, 2, 3), label_smoothing=0.1)
+
+    check_fusion(loss, sequence_logits(), counts={"loss": 1})
+
+
+@pytest.mark.parametrize("spelling", ["cross_entropy", "nll_of_log_softmax"])
+def test_classes_strided_on_dim_1_are_refused_with_the_reason(spelling):
+    """Contiguous (B, V, T) logits: rows of contiguous classes would need a copy."""
+
+    def loss(x, t):
+        if spelling == "cross_entropy":
+            return F.cross_entropy(x, t)
+        return F.nll_loss(F.log_softmax(x, 1), t)
+
+    check_fusion(
+        loss,
+        sequence_logits(classes_on_dim_1=True),
+        counts={"loss": 0},
+        missed=["rows of contiguous classes"],
+    )
+
+
+def test_a_linear_feeding_a_transposed_loss_joins_it():
+    torch.manual_seed(0)
+    proj = nn.Linear(WIDTH, VOCAB)
+
+    class TransposedHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = proj
+
+        def forward(self, hidden, target):
+            return F.cross_entropy(self.proj(hidden).transpose(1, 2), target, ignore_index=-100)
+
+    report = check_fusion(TransposedHead(), head_inputs(), counts={"loss": 1})
+    assert modes(report) == ["forward_grad"]
+
+
+def nll_and_its_log_probs(x, t):
+    lprobs = F.log_softmax(x, -1)
+    return F.nll_loss(lprobs.view(-1, VOCAB), t), lprobs
+
+
+NLL_REFUSALS = {
+    "log_softmax_returned": (nll_and_its_log_probs, "read elsewhere too"),
+    "log_softmax_over_rows": (lambda x, t: F.nll_loss(F.log_softmax(x, 0), t), "over dim 0"),
+    "log_of_softmax": (
+        lambda x, t: F.nll_loss(torch.log(torch.softmax(x, -1)), t),
+        "not a log_softmax",
+    ),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(NLL_REFUSALS))
+def test_an_nll_loss_that_is_no_cross_entropy_is_reported(spelling):
+    fn, reason = NLL_REFUSALS[spelling]
+    check_fusion(fn, logits_and_targets(), counts={"loss": 0}, missed=[reason])
 
 
 class Head(nn.Module):

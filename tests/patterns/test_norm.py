@@ -1,6 +1,8 @@
 """The residual + normalization family end to end: each spelling fuses, output and every gradient
 match eager, and each near-miss is refused with its reason."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -317,3 +319,97 @@ def test_llama_norm_with_narrowing_cast_keeps_the_weight_multiply_outside(tmp_pa
     )
     fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
     assert "aten.mul.Tensor" in fused and "aten.to.dtype" in fused
+
+
+# ---------------------------------------------------------------------------------------------
+# reshapes between the residual sum and the norm (OPT's `(residual + x).view(shape)`)
+
+
+class ReshapedPostLN(nn.Module):
+    """OPT's feed-forward tail: the sum is flattened to rows (or a view), then normalized."""
+
+    def __init__(self, d=32, p=0.0, view=False):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+        self.p, self.view = p, view
+
+    def forward(self, x, h):
+        s = x + F.dropout(self.linear(h), self.p, self.training)
+        return self.norm(s.view(-1, 4, s.shape[-1]) if self.view else s.reshape(-1, s.shape[-1]))
+
+
+def _fused_graph(tmp_path) -> str:
+    return next(tmp_path.glob("*/*_fuse.py")).read_text()
+
+
+def _add_norm_args(tmp_path) -> list[tuple[bool, float]]:
+    """Per fused op in the dumped graph: whether it adds a residual, and its dropout p."""
+    calls = re.findall(r"seqfast\.add_norm\.default\(([^)]*)\)", _fused_graph(tmp_path))
+    return [(c.split(", ")[1] != "None", float(c.split(", ")[7])) for c in calls]
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["reshape", "view"])
+def test_sum_reshaped_before_the_norm_is_folded(view, tmp_path):
+    check_fusion(
+        ReshapedPostLN(view=view),
+        [rand(2, 8, 32), rand(2, 8, 32)],
+        counts={"norm": 1},
+        options={"dump_dir": tmp_path},
+    )
+    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+
+
+def test_dropout_on_a_reshaped_sum_is_folded(tmp_path):
+    module = ReshapedPostLN(p=0.1).train()
+    out = torch.compile(module, backend="seqfast", options={"dump_dir": tmp_path})(
+        rand(2, 8, 32), rand(2, 8, 32)
+    )
+    assert out.shape == (16, 32)
+    out.sum().backward()
+    assert _add_norm_args(tmp_path) == [(True, 0.1)]
+
+
+def test_pre_ln_reshaped_sum_read_elsewhere_is_the_second_output(tmp_path):
+    """The reshaped sum is the next residual (OPT's pre-LN feed-forward block)."""
+    norm, lin = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def block(x, y):
+        r = (x + y).reshape(-1, 32)
+        return lin(norm(r)) * r
+
+    check_fusion(
+        block, [rand(2, 4, 32), rand(2, 4, 32)], counts={"norm": 1}, options={"dump_dir": tmp_path}
+    )
+    fused = _fused_graph(tmp_path)
+    assert "aten.add" not in fused and "add_norm_default[1]" in fused
+    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+
+
+@pytest.mark.parametrize("read", ["sum", "first-reshape"])
+def test_sum_read_elsewhere_on_the_way_to_the_norm_is_the_second_output(read, tmp_path):
+    norm = nn.LayerNorm(32)
+
+    def fn(x, y):
+        s = x + y
+        rows = s.view(8, 32)
+        return norm(rows.view(4, 2, 32)), (s if read == "sum" else rows) * 3
+
+    check_fusion(
+        fn, [rand(2, 4, 32), rand(2, 4, 32)], counts={"norm": 1}, options={"dump_dir": tmp_path}
+    )
+    fused = _fused_graph(tmp_path)
+    assert "aten.add" not in fused and "add_norm_default[1]" in fused
+    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+
+
+def test_reshape_that_changes_the_rows_keeps_the_sum_outside(tmp_path):
+    """Rows of 8 summed, rows of 32 normalized: the sum cannot be folded."""
+    norm = nn.LayerNorm(32)
+    check_fusion(
+        lambda x, y: norm((x + y).reshape(2, 32)),
+        [rand(2, 4, 8), rand(2, 4, 8)],
+        counts={"norm": 1},
+        options={"dump_dir": tmp_path},
+    )
+    assert "aten.add.Tensor" in _fused_graph(tmp_path)
+    assert _add_norm_args(tmp_path) == [(False, 0.0)]

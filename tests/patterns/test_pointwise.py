@@ -196,3 +196,15 @@ def test_a_user_pattern_that_is_not_pointwise_needs_a_replacement():
         seqcompile.register_pattern("row_sum", lambda x: x.sum(-1) * 2, [torch.randn(4, 8)])
     with pytest.raises(TypeError, match="replacement_fn="):
         seqcompile.register_pattern("old_order", F.relu, F.relu, [torch.randn(2)])
+
+
+def test_a_region_over_transposed_inputs_keeps_their_layout_for_a_view_after_it():
+    """Element-wise ops lay their result out like their inputs; a view after the region may rely
+    on it (here it views the transposed-back result, contiguous only in that layout)."""
+    x = torch.randn(2, 8, 5, requires_grad=True)
+
+    def fn(x):
+        y = F.gelu(x.transpose(1, 2)) * 2 + 1
+        return y.transpose(1, 2).view(2, 40)
+
+    check_fusion(fn, [x], counts={"pointwise": 1})

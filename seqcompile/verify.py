@@ -1,0 +1,255 @@
+"""The `verify` option: when a graph is compiled, it is run beside the graph Dynamo captured
+(eager), on copies of the inputs of the call that made Dynamo compile it, forward and backward
+with the same random output gradients, and every output and input gradient is compared within a
+tolerance for its dtype.
+
+On a mismatch the fused site responsible is found by bisection (the graph is recompiled fusing only
+the first sites in graph order until the smallest failing prefix is known; repeated while a
+mismatch remains), the graph is compiled without it, a warning names the site and the error, and a
+standalone script that reproduces the mismatch is written into the dump folder (or a temporary
+one). What `verify` found goes into the compile report.
+
+A graph that draws random numbers (dropout) cannot be compared with eager, whose random numbers
+differ: it is reported as not verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger("seqcompile")
+
+TOLERANCE = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+"""Largest accepted difference, relative to the largest magnitude of the reference value."""
+
+_RANDOM = frozenset(
+    {"dropout", "rand", "randn", "rand_like", "randn_like", "randint", "bernoulli", "normal"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """What `verify` found for one graph, for the report."""
+
+    graph: str
+    verdict: str
+    left_unfused: tuple[str, ...] = ()
+    repro: str | None = None
+
+    def __str__(self) -> str:
+        lines = [f"  {self.graph}: {self.verdict}"]
+        lines += [f"    left unfused: {site}" for site in self.left_unfused]
+        if self.repro:
+            lines.append(f"    reproduction: {self.repro}")
+        return "\n".join(lines)
+
+
+Compile = Callable[[frozenset[str] | None], tuple[Callable[..., Any], dict[str, str]]]
+"""Compiles the graph fusing only the given site keys (None: all); returns the callable and the
+sites it fused (key to place in the source)."""
+
+
+def draws_random_numbers(gm: GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if node.op in ("call_function", "call_method") and name.lstrip("_") in _RANDOM:
+            return not (name.lstrip("_") == "dropout" and _no_drop(node))
+    return False
+
+
+def _no_drop(node: Any) -> bool:
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    return p == 0 or training is False
+
+
+def verified(
+    name: str,
+    captured: GraphModule,
+    compiled: Callable[..., Any],
+    sites: dict[str, str],
+    recompile: Compile,
+    args: Sequence[Any],
+    dump_dir: Path | None,
+) -> tuple[Callable[..., Any], Finding]:
+    """Compare `compiled` with `captured` on `args`; return what should run from now on and what
+    was found."""
+    if draws_random_numbers(captured):
+        return compiled, Finding(name, "not verified: the graph draws random numbers (dropout)")
+    mismatch = error = difference(captured, compiled, args)
+    if mismatch is None:
+        return compiled, Finding(name, f"matches eager ({len(sites)} fused sites)")
+    left_out: list[str] = []
+    while mismatch is not None:
+        culprit = _first_failing_site(captured, recompile, args, list(sites), left_out)
+        if culprit is None:
+            break
+        left_out.append(culprit)
+        compiled, _ = recompile(frozenset(sites) - set(left_out))
+        mismatch = difference(captured, compiled, args)
+    unfused = tuple(f"{key} at {sites[key]}" for key in left_out)
+    repro = _write_repro(name, captured, args, dump_dir, error)
+    if mismatch is not None:
+        verdict = f"differs from eager with no site to blame ({mismatch}); running eager"
+        compiled = captured
+    else:
+        verdict = f"differed from eager ({error}); compiled without the site(s) responsible"
+    warnings.warn(
+        f"seqfast verify: {name} {verdict}"
+        + "".join(f"; left unfused: {site}" for site in unfused)
+        + f"; reproduction: {repro}",
+        stacklevel=2,
+    )
+    return compiled, Finding(name, verdict, unfused, str(repro))
+
+
+def _first_failing_site(
+    captured: GraphModule,
+    recompile: Compile,
+    args: Sequence[Any],
+    order: list[str],
+    left_out: list[str],
+) -> str | None:
+    """The site whose fusion first makes the graph differ: fusing the sites before it matches,
+    fusing it too does not. None if fusing no site differs already."""
+    candidates = [key for key in order if key not in left_out]
+
+    def fails(count: int) -> bool:
+        return difference(captured, recompile(frozenset(candidates[:count]))[0], args) is not None
+
+    if fails(0):
+        return None
+    low, high = 0, len(candidates)  # fusing `low` sites matches, fusing `high` differs
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fails(middle) else (middle, high)
+    return candidates[high - 1]
+
+
+def difference(
+    reference: Callable[..., Any], candidate: Callable[..., Any], args: Sequence[Any]
+) -> str | None:
+    """The first output or input gradient where `candidate` differs from `reference` on `args`
+    beyond its dtype's tolerance, described; None if none does."""
+    expected, expected_grads = _run(reference, args)
+    actual, actual_grads = _run(candidate, args)
+    if len(actual) != len(expected):
+        return f"{len(actual)} outputs where eager has {len(expected)}"
+    pairs = [(f"output {i}", a, e) for i, (a, e) in enumerate(zip(actual, expected, strict=True))]
+    pairs += [
+        (f"the gradient of input {i}", a, e)
+        for i, (a, e) in enumerate(zip(actual_grads, expected_grads, strict=True))
+    ]
+    for what, a, e in pairs:
+        problem = _compare(a, e)
+        if problem:
+            return f"{what}: {problem}"
+    return None
+
+
+def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    inputs = [
+        a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    with torch.enable_grad():
+        outputs = [t for t in tree_leaves(fn(*inputs)) if isinstance(t, torch.Tensor)]
+        differentiable = [t for t in outputs if t.requires_grad]
+        generator = torch.Generator().manual_seed(0)
+        cotangents = [
+            torch.randn(t.shape, generator=generator).to(t.device, t.dtype) for t in differentiable
+        ]
+        if differentiable:
+            torch.autograd.backward(differentiable, cotangents)
+    grads = [i.grad if isinstance(i, torch.Tensor) and i.requires_grad else None for i in inputs]
+    return [t.detach() for t in outputs], grads
+
+
+def _compare(actual: torch.Tensor | None, expected: torch.Tensor | None) -> str | None:
+    if (actual is None) != (expected is None):
+        return (
+            "eager has a gradient and the compiled graph none"
+            if actual is None
+            else ("the compiled graph has a gradient and eager none")
+        )
+    if expected is None:
+        return None
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return (
+            f"{actual.dtype}{list(actual.shape)} where eager has"
+            f" {expected.dtype}{list(expected.shape)}"
+        )
+    if not expected.is_floating_point():
+        return None if torch.equal(actual, expected) else "values differ"
+    a, e = actual.double(), expected.double()
+    if not torch.equal(a.isnan(), e.isnan()):
+        return "NaN in other places than eager"
+    a, e = a.nan_to_num(0.0), e.nan_to_num(0.0)
+    scale = e.abs().max().item() if e.numel() else 0.0
+    error = (a - e).abs().max().item() if e.numel() else 0.0
+    tolerance = TOLERANCE.get(expected.dtype, 1e-3) * max(scale, 1e-6)
+    if error > tolerance:
+        return f"max difference {error:.3g} at magnitude {scale:.3g} (tolerance {tolerance:.3g})"
+    return None
+
+
+def _write_repro(
+    name: str, captured: GraphModule, args: Sequence[Any], dump_dir: Path | None, error: str | None
+) -> Path:
+    """A script that rebuilds the captured graph, draws inputs of the same sizes, dtypes and
+    strides, and compares seqfast with eager through `verify.difference`."""
+    folder = dump_dir or Path(tempfile.mkdtemp(prefix="seqfast_verify_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}_verify_repro.py"
+    inputs = "\n".join(f"    {_input_expression(a)}," for a in args)
+    path.write_text(
+        f'"""seqfast verify found that {name} differs from eager: {error}.\n'
+        f'Run: python {path.name}"""\n\n'
+        "import torch\nfrom torch import device  # noqa: F401 (in the graph's code)\n\n"
+        "from seqcompile.verify import difference\n\n"
+        f"{_module_source(captured)}\n\n"
+        "def inputs():\n    torch.manual_seed(0)\n    return [\n"
+        f"{inputs}\n    ]\n\n\n"
+        'if __name__ == "__main__":\n'
+        "    module, args = Repro(), inputs()\n"
+        '    compiled = torch.compile(module, backend="seqfast")\n'
+        '    print(difference(module, compiled, args) or "matches eager")\n'
+    )
+    return path
+
+
+def _module_source(captured: GraphModule) -> str:
+    from torch._dynamo.debug_utils import NNModuleToString
+
+    return NNModuleToString.convert(captured)
+
+
+def _input_expression(a: Any) -> str:
+    if not isinstance(a, torch.Tensor):
+        return repr(a)
+    size, stride = list(a.shape), list(a.stride())
+    storage = 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True)) if a.numel() else 0
+    if a.is_floating_point():
+        make = f"torch.randn({storage}, dtype={a.dtype})"
+    elif a.dtype == torch.bool:
+        make = f"torch.rand({storage}) > 0.5"
+    else:
+        high = int(a.max().item()) + 1 if a.numel() else 1
+        make = f"torch.randint(0, {max(high, 1)}, ({storage},), dtype={a.dtype})"
+    grad = f".requires_grad_({a.requires_grad})" if a.is_floating_point() else ""
+    return f"({make}).to({str(a.device)!r}).as_strided({size}, {stride}).detach(){grad}"

@@ -1,0 +1,113 @@
+"""The structural check after every stage: a stage that changes an output, cuts an input's
+differentiable path, leaves a node whose recorded value its inputs no longer give, or leaves a
+fused region with an input it does not read, fails with the stage, the node and its source line."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import seqcompile.patterns.engine as engine
+from seqcompile import structure
+from seqcompile.ops import pointwise_region
+
+aten = torch.ops.aten
+
+
+def traced(fn, *shapes):
+    return requiring_grad(make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes)))
+
+
+def requiring_grad(gm):
+    """`gm` with its inputs' recorded values requiring grad, as Dynamo records them."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"].requires_grad_(True)
+    return gm
+
+
+def call_nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_an_untouched_graph_passes_and_keeps_its_signature():
+    gm = traced(lambda x, w: F.gelu(x @ w).transpose(0, 1).contiguous().view(-1), (3, 4), (4, 5))
+    before = structure.signature(gm)
+    assert before.differentiable == {0, 1}
+    assert structure.check("normalize", gm, before) == before
+
+
+def test_an_output_that_changes_shape_names_the_stage_and_the_node():
+    gm = traced(lambda x: (x * 2).sum(0), (3, 4))
+    before = structure.signature(gm)
+    (total,) = call_nodes(gm, aten.sum.dim_IntList)
+    total.args = (total.args[0], [1])
+    total.meta["val"] = total.args[0].meta["val"].sum(1)  # a consistent graph, another output
+    with pytest.raises(structure.StructureError, match="after stage 'fuse', at sum.*output 0"):
+        structure.check("fuse", gm, before)
+
+
+def test_a_node_whose_inputs_no_longer_give_its_recorded_value_is_caught_where_it_is():
+    gm = traced(lambda x: x.transpose(0, 1).contiguous().view(-1), (3, 4))
+    before = structure.signature(gm)
+    (packed,) = call_nodes(gm, aten.clone.default)
+    packed.replace_all_uses_with(packed.args[0])  # a rewrite that lost the copy
+    gm.graph.erase_node(packed)
+    with pytest.raises(structure.StructureError, match="at view.*fails on its inputs' values"):
+        structure.check("fuse", gm, before)
+
+
+def test_an_input_whose_differentiable_path_is_cut_is_named():
+    gm = traced(lambda x, w: x * 2 + w, (3,), (3,))
+    before = structure.signature(gm)
+    (add,) = call_nodes(gm, aten.add.Tensor)
+    w = add.args[1]
+    with gm.graph.inserting_before(add):
+        detached = gm.graph.call_function(aten.detach.default, (w,))
+    detached.meta["val"] = w.meta["val"]
+    add.replace_input_with(w, detached)
+    with pytest.raises(structure.StructureError, match="input w_1 no longer reaches an output"):
+        structure.check("capture", gm, before)
+
+
+def test_ops_run_with_grad_mode_off_carry_no_gradient():
+    def fn(x, w):
+        torch._C._set_grad_enabled(False)
+        y = x * w
+        torch._C._set_grad_enabled(True)
+        return y + x
+
+    gm = requiring_grad(make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*torch.randn(2, 3)))
+    assert structure.signature(gm).differentiable == {0}
+
+
+def test_a_fused_region_that_does_not_read_an_input_is_caught():
+    graph = torch.fx.Graph()
+    x, unused = graph.placeholder("x"), graph.placeholder("unused")
+    graph.output([graph.call_function(aten.relu.default, (x,))])
+    region = pointwise_region.register(graph, [torch.float32] * 2, [False] * 2, [])
+
+    def fn(a, b):
+        return torch.ops.seqfast.pointwise.default([a, b], None, 0, region.key)[0]
+
+    gm = traced(fn, (4,), (4,))
+    with pytest.raises(structure.StructureError, match=r"does not read its inputs \[1\]"):
+        structure.check("fuse", gm, structure.signature(gm))
+
+
+def test_a_fused_op_laid_out_otherwise_than_the_node_it_replaced_fails_at_the_fuse_stage(
+    monkeypatch,
+):
+    """SDPA returns heads-inner strides and `.contiguous()` after the transpose then copies
+    nothing; a fused output left contiguous would break the view after it."""
+    monkeypatch.setattr(engine.FuseContext, "in_layout_of", lambda self, value, like: value)
+    b, length, heads, dim = 2, 5, 2, 4
+
+    def attention(x):
+        q, k, v = (t.view(b, length, heads, dim).transpose(1, 2) for t in x.split(8, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(b, length, heads * dim)
+
+    compiled = torch.compile(attention, backend="seqfast")
+    with pytest.raises(Exception, match=r"after stage 'fuse', at transpose.*\.view\(b, length"):
+        compiled(torch.randn(b, length, 3 * heads * dim, requires_grad=True))

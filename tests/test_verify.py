@@ -1,0 +1,99 @@
+"""The `verify` option: a compiled graph is compared with eager, forward and backward, when it is
+compiled; a fused site that makes them differ is found, left unfused with a warning, written up as
+a reproduction script, and shown in the report."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seqcompile.ops import norm_reference
+from seqcompile.report import collecting
+from seqcompile.verify import difference
+
+
+class Block(nn.Module):
+    """Attention, then residual + LayerNorm, then a GELU MLP: one site per family."""
+
+    def __init__(self, width=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        b, length, width = x.shape
+        q, k, v = (
+            t.view(b, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = self.norm(x + self.out(y.transpose(1, 2).reshape(b, length, width)))
+        return self.down(F.gelu(self.up(h)))
+
+
+def step(model, x, **options):
+    model.zero_grad()
+    compiled = torch.compile(model, backend="seqfast", options=options) if options else model
+    loss = (compiled(x) * torch.linspace(-1, 1, x.shape[-1])).sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_correct_compile_is_reported_as_matching_eager():
+    torch.manual_seed(0)
+    with collecting() as report:
+        step(Block(), torch.randn(2, 5, 8), verify=True)
+    assert [f.left_unfused for f in report.verified] == [()]
+    assert "matches eager (3 fused sites)" in str(report)
+
+
+def test_a_wrong_backward_is_found_left_unfused_reported_and_written_up(monkeypatch, tmp_path):
+    def wrong_backward(*args):
+        return tuple(g * 2 for g in real_backward(*args))
+
+    real_backward = norm_reference.backward
+    monkeypatch.setattr(norm_reference, "backward", wrong_backward)
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 5, 8)
+    expected_loss, expected = step(model, x)
+
+    with collecting() as report, pytest.warns(UserWarning, match="left unfused: norm:"):
+        loss, grads = step(model, x, verify=True, dump_dir=str(tmp_path))
+
+    torch.testing.assert_close(loss, expected_loss)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    (finding,) = report.verified
+    assert [site.split(" ")[0] for site in finding.left_unfused] == ["norm:layer_norm"]
+    assert report.counts["norm"] == 0 and report.counts["attention"] == 1
+    assert "the gradient of input" in finding.verdict
+    assert "left unfused: norm:layer_norm" in str(report)
+
+    monkeypatch.setattr(norm_reference, "backward", real_backward)
+    script = subprocess.run(
+        [sys.executable, finding.repro], capture_output=True, text=True, timeout=300
+    )
+    assert script.returncode == 0, script.stderr
+    assert script.stdout.strip().splitlines()[-1] == "matches eager"  # the bug is gone there
+
+
+def test_a_graph_with_dropout_is_reported_as_not_verified():
+    with collecting() as report:
+        torch.compile(lambda x: F.dropout(x, 0.5) * 2, backend="seqfast", options={"verify": True})(
+            torch.randn(4, requires_grad=True)
+        )
+    assert "not verified: the graph draws random numbers" in str(report)
+
+
+def test_difference_names_a_missing_gradient_and_a_wrong_value():
+    w = torch.randn(3, requires_grad=True)
+    assert difference(lambda x, w: x * w, lambda x, w: x * w, [torch.randn(3), w]) is None
+    missing = difference(lambda x, w: x * w, lambda x, w: x * w.detach(), [torch.randn(3), w])
+    assert missing == "the gradient of input 1: eager has a gradient and the compiled graph none"
+    assert "output 0: max difference" in difference(
+        lambda x: x, lambda x: x * 1.01, [torch.ones(3)]
+    )
