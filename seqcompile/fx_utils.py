@@ -112,6 +112,27 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def in_layout_of(ctx: Any, value: Node, like: torch.Tensor) -> Node:
+    """`value`, or a copy of it in `like`'s memory layout where the two differ, inserted after
+    `value` through `ctx.call` (a rewrite's context): the node a rewrite replaces may have been
+    laid out otherwise (SDPA returns heads-inner strides), and a reader such as `view`, or the
+    caller of the graph, depends on it. A `like` that is not dense is not copied; the structural
+    check reports a reader that then fails."""
+    have = tensor_val(value)
+    if have is None or same_layout(have, like) or not is_dense(like):
+        return value
+    strides = [concrete(s) for s in like.stride()]
+    order = sorted(range(like.dim()), key=lambda d: (-strides[d], d))
+    inverse = sorted(range(like.dim()), key=order.__getitem__)
+    graph = value.graph
+    with graph.inserting_after(value):
+        permuted = ctx.call(aten.permute.default, value, order)
+    with graph.inserting_after(permuted):
+        packed = ctx.call(aten.clone.default, permuted, memory_format=torch.contiguous_format)
+    with graph.inserting_after(packed):
+        return ctx.call(aten.permute.default, packed, inverse)
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Non-overlapping and without gaps, in some order of the dimensions (at the traced sizes)."""
     sizes = [concrete(s) for s in t.shape]

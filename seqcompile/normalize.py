@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile import normalize_loss
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
     erase_unused,
+    in_layout_of,
     insert_call,
     is_call,
     source_meta,
@@ -57,6 +59,66 @@ def _drop_inactive_dropout(node: Node, ctx: RuleContext) -> Node | None:
         if p == 0 or train is False:
             return node.args[0]
     return None
+
+
+def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
+    """An in-place op (`x.add_(y)`, `scores *= c`) on a value the graph made itself, that no view
+    shares, becomes its out-of-place form, read by the op's readers and by every later reader of
+    that value: the families and the region fuser then see plain math (an in-place op stops them).
+    The result keeps the value's dtype, as the in-place op does."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_") or not target._schema.arguments:
+        return None
+    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    value = node.args[0] if node.args else None
+    if functional is None or not _fresh(value):
+        return None
+    if any(_aliases(u) for u in value.users if u is not node):
+        return None
+    result = ctx.call(functional, *node.args, **node.kwargs)
+    dtype = tensor_val(value).dtype
+    if tensor_val(result) is None or tensor_val(result).shape != tensor_val(value).shape:
+        node.graph.erase_node(result)
+        return None
+    if tensor_val(result).dtype != dtype:
+        result = ctx.call(aten.to.dtype, result, dtype)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for reader in list(value.users):
+        if reader is not node and order[reader] > order[node]:
+            reader.replace_input_with(value, result)
+    return result
+
+
+def _fresh(node: Any) -> bool:
+    """A value an op of the graph made, not a view of another (nor an input)."""
+    return (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and not _aliases(node)
+        and isinstance(tensor_val(node), torch.Tensor)
+    )
+
+
+def _aliases(node: Node) -> bool:
+    """Whether `node`'s result may share memory with an input (a view, an in-place op); an op
+    that only may (`to` a dtype) is asked through the storages of the traced values."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    if all(r.alias_info is None for r in node.target._schema.returns):
+        return False
+    out = tensor_val(node)
+    if out is None:
+        return True
+    storage = StorageWeakRef(out.untyped_storage())
+    return any(
+        StorageWeakRef(tensor_val(n).untyped_storage()) == storage
+        for n in node.all_input_nodes
+        if tensor_val(n) is not None
+    )
 
 
 def _cast_target(node: Node) -> torch.dtype | None:
@@ -232,6 +294,7 @@ def _permuted(ctx: RuleContext, node: Node, order: list[int]) -> Node:
 
 
 RULES: list[Rule] = [
+    Rule("out_of_place", _out_of_place),
     Rule("drop_inactive_dropout", _drop_inactive_dropout),
     Rule("one_cast_spelling", _one_cast_spelling),
     Rule("cast_after_reshape", _cast_after_reshape),
@@ -261,6 +324,8 @@ def normalize_graph(gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES) 
                     replacement = rule.rewrite(node, ctx)
                 if replacement is None:
                     continue
+                if isinstance(replacement, Node) and isinstance(tensor_val(node), torch.Tensor):
+                    replacement = in_layout_of(ctx, replacement, tensor_val(node))
                 node.replace_all_uses_with(replacement)
                 erase_unused([node])
                 fired[rule.name] += 1

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from seqcompile.capture import trace_pre_dispatch
+from seqcompile.capture import fake_inputs, trace_pre_dispatch
 from seqcompile.normalize import normalize_graph
 
 aten = torch.ops.aten
@@ -149,3 +149,60 @@ def test_baddbmm_becomes_matmul_and_add(beta, alpha):
     graph, fired, targets = normalized(fn, c, a, b)
     assert fired["bmm_as_matmul"] == (0 if beta == 0 else 1)
     torch.testing.assert_close(graph(c, a, b), fn(c, a, b))
+
+
+def dynamo_normalized(fn, *inputs):
+    """As `normalized`, from the graph Dynamo captures (symbolic tracing drops in-place ops)."""
+    found = []
+
+    def backend(gm, example_inputs):
+        fake_mode, fakes = fake_inputs(example_inputs)
+        graph = trace_pre_dispatch(gm, fake_mode, fakes)
+        found.append((graph, normalize_graph(graph, fake_mode)))
+        return gm.forward
+
+    torch.compile(fn, backend=backend)(*inputs)
+    graph, fired = found[0]
+    return graph, fired, [n.target for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def test_an_in_place_op_on_a_value_the_graph_made_becomes_out_of_place():
+    def fn(x, y):
+        scores = x * 2
+        scores *= 0.5  # Falcon scales its scores in place
+        buckets = (y > 0).long()
+        buckets += 3  # T5's relative buckets
+        return scores + 1, buckets
+
+    graph, fired, targets = dynamo_normalized(fn, torch.randn(3, 4), torch.randn(3, 4))
+    assert fired["out_of_place"] == 2
+    assert aten.mul_.Tensor not in targets and aten.add_.Tensor not in targets
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for got, want in zip(graph(x, y), fn(x, y), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_in_place_op_seen_through_a_view_or_on_an_input_stays():
+    def fn(x):
+        y = x.clone()
+        y[0].add_(1)  # through a view: y changes too
+        x.mul_(2)  # the caller's tensor
+        return y
+
+    graph, fired, targets = dynamo_normalized(fn, torch.randn(3, 4))
+    assert fired["out_of_place"] == 0
+    assert aten.add_.Tensor in targets and aten.mul_.Tensor in targets
+
+
+def test_a_rule_whose_result_is_laid_out_otherwise_keeps_the_layout():
+    """einsum of a transposed operand returns strides matmul would not (a graph output's
+    strides are the caller's to rely on)."""
+    p = torch.randn(2, 4, 1, 1, requires_grad=True)
+    v = torch.randn(5, 4, 1, 2).transpose(0, -1).requires_grad_()
+
+    def fn(p, v):
+        return torch.einsum("bhqk,bhkd->bhqd", p, v)
+
+    out = torch.compile(fn, backend="seqfast")(p, v)
+    assert out.stride() == fn(p, v).stride()
+    torch.testing.assert_close(out, fn(p, v))

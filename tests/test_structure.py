@@ -83,7 +83,8 @@ def test_ops_run_with_grad_mode_off_carry_no_gradient():
 
 def test_a_fused_region_that_does_not_read_an_input_is_caught():
     graph = torch.fx.Graph()
-    x, unused = graph.placeholder("x"), graph.placeholder("unused")
+    x = graph.placeholder("x")
+    graph.placeholder("unused")
     graph.output([graph.call_function(aten.relu.default, (x,))])
     region = pointwise_region.register(graph, [torch.float32] * 2, [False] * 2, [])
 

@@ -58,7 +58,8 @@ class Site:
     """`k` is the matmul's (..., D, Lk) operand and needs transposing back."""
     scale: float = 1.0
     biases: list[tuple[Node, float]] = dataclasses.field(default_factory=list)
-    """Additive float biases with the factor later scales apply to each."""
+    """Additive biases with the factor later scales apply to each (a boolean or integer tensor
+    added to the scores adds its values, as type promotion does)."""
     keep: list[tuple[Node, bool]] = dataclasses.field(default_factory=list)
     """Boolean masks with whether True means keep (False: True means masked)."""
     masked_value: float | None = None
@@ -179,25 +180,38 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
     if is_call(node, aten.matmul.default):
         return node
     step = _link(node)
-    if step is None or isinstance(step, Reject):
+    if step is None:
+        operands = ", ".join(_describe(a) for a in node.args) if isinstance(node, Node) else ""
+        what = f"{node.target}({operands})" if isinstance(node, Node) else repr(node)
+        return Reject("the scores pass through {}, which the kernel does not apply", what)
+    if isinstance(step, Reject):
         return step
     link, operands = step
     if link[0] in ("add", "sub"):
         # scores + bias, bias + scores, scores - bias
         orders = [operands, operands[::-1]] if link[0] == "add" else [operands]
-        refused = None
+        refused, depth = None, -1
         for above, bias in orders:
             found = _walk_scores(above, sub_links := [], sub_nodes := [])
             bias_val = tensor_val(bias)
-            if isinstance(found, Node) and bias_val is not None and bias_val.is_floating_point():
+            if isinstance(found, Node) and bias_val is not None and not bias_val.is_complex():
                 links += [("bias", bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
                 nodes += [node, *sub_nodes]
                 return found
-            refused = found if isinstance(found, Reject) else refused
+            if isinstance(found, Reject) and len(sub_nodes) > depth:
+                refused, depth = found, len(sub_nodes)  # the walk that got furthest tells why
         return refused
     links.append(link)
     nodes.append(node)
     return _walk_scores(operands[0], links, nodes)
+
+
+def _describe(value: object) -> str:
+    """An operand for a refusal: a tensor's dtype and shape, or the value."""
+    t = tensor_val(value)
+    if t is not None:
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    return repr(value)
 
 
 def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
@@ -264,8 +278,6 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
         return Reject("softmax over dim {}, not the key dimension (the last)", dim)
     links, score_nodes = [], []
     qk = _walk_scores(softmax.args[0], links, score_nodes)
-    if qk is None:
-        return Reject("the scores pass through an op the kernel does not apply")
     if isinstance(qk, Reject):
         return qk
     q, q_scale = _operand_scale(qk.args[0])
@@ -394,8 +406,11 @@ def _in_batch(ctx: FuseContext, node: Node, batch: tuple, frame: tuple | None = 
 def _combined_bias(ctx: FuseContext, site: Site) -> Node | None:
     total = None
     for bias, factor in site.biases:
-        if bias in site.frames:
-            bias = _in_batch(ctx, bias, site.batch, site.frames[bias])
+        frame = site.frames.get(bias)
+        if not tensor_val(bias).is_floating_point():  # a boolean mask added as 0 and 1
+            bias = ctx.call(aten.to.dtype, bias, torch.float32)
+        if frame is not None:
+            bias = _in_batch(ctx, bias, site.batch, frame)
         if factor != 1.0:
             bias = ctx.call(aten.mul.Tensor, bias, factor)
         total = bias if total is None else ctx.call(aten.add.Tensor, total, bias)

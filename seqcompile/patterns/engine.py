@@ -12,16 +12,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen import KernelSpec, prepare_kernel
-from seqcompile.fx_utils import (
-    concrete,
-    depends_on,
-    insert_call,
-    is_dense,
-    same_layout,
-    site_name,
-    source_meta,
-    tensor_val,
-)
+from seqcompile.fx_utils import depends_on, in_layout_of, insert_call, site_name, source_meta
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
@@ -84,23 +75,7 @@ class FuseContext:
         return node
 
     def in_layout_of(self, value: Node, like: torch.Tensor) -> Node:
-        """`value`, or a copy of it in `like`'s memory layout where the two differ, inserted after
-        `value`: the node a fused op replaces may have been laid out otherwise (SDPA returns
-        heads-inner strides), and a reader such as `view` depends on it. A `like` that is not dense
-        is not copied; the structural check reports a reader that then fails."""
-        have = tensor_val(value)
-        if have is None or same_layout(have, like) or not is_dense(like):
-            return value
-        strides = [concrete(s) for s in like.stride()]
-        order = sorted(range(like.dim()), key=lambda d: (-strides[d], d))
-        inverse = sorted(range(like.dim()), key=order.__getitem__)
-        graph = self.gm.graph
-        with graph.inserting_after(value):
-            permuted = self.call(aten.permute.default, value, order)
-        with graph.inserting_after(permuted):
-            packed = self.call(aten.clone.default, permuted, memory_format=torch.contiguous_format)
-        with graph.inserting_after(packed):
-            return self.call(aten.permute.default, packed, inverse)
+        return in_layout_of(self, value, like)
 
     def requires_grad(self, node: Node | None) -> bool:
         return self.training and node is not None and depends_on(node, self.grad_inputs)

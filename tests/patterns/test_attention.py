@@ -476,3 +476,26 @@ def test_a_reshape_that_mixes_rows_into_the_batch_stays_unfused():
         return scores.softmax(-1).reshape(B, H, LQ, LK) @ v
 
     check_fusion(fn, qkv(), counts={"attention": 0}, missed=["pass through aten.reshape"])
+
+
+def test_scores_scaled_in_place_after_a_bias():
+    """Falcon's ALiBi path: `scores += bias; scores *= factor` on the product."""
+    alibi = torch.randn(B, H, 1, LK)
+
+    def fn(q, k, v, alibi):
+        scores = q @ k.transpose(-1, -2)
+        scores = scores + alibi
+        scores *= D**-0.5
+        return F.softmax(scores, dim=-1) @ v
+
+    fused(fn, [*qkv(), alibi])
+
+
+def test_a_boolean_mask_added_to_the_scores_adds_ones_and_zeros():
+    """Type promotion makes `scores + bool_mask` add 1 where the mask is True (GPT-J's eager
+    attention given the boolean mask of its SDPA setting); the fused op adds the same."""
+
+    def fn(q, k, v, keep):
+        return F.softmax(q @ k.transpose(-1, -2) * D**-0.5 + keep, dim=-1) @ v
+
+    fused(fn, [*qkv(), padding()])

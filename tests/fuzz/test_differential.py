@@ -1,0 +1,231 @@
+"""The differential fuzzer: each seed's program (tests/fuzz/programs.py) runs in eager and compiled
+with seqfast; the outputs, every gradient (inputs and parameters) and the fusion counts README.md
+promises must agree. Programs with dropout are compared with p=0, then run with p>0 for shapes,
+finite values, and the keep ratio and scaling where a dropout is the last op. A failure's first
+line names the seed, the program and the command that reruns it alone; the program follows as a
+script."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import TOLERANCES
+
+from fuzz.programs import FAMILIES, Program, generate
+from seqcompile.report import collecting
+
+DEFAULT_SEEDS = range(65)
+SLOW_SEEDS = range(65, 465)
+
+
+@dataclasses.dataclass
+class Run:
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    counts: Counter[str]
+    missed: list[str]
+
+
+class Fuzzed(torch.nn.Module):
+    """A program as a module: `m` holds its parameters; with `ws` it returns the projected loss."""
+
+    def __init__(self, namespace: dict[str, Any], m: torch.nn.Module, ws: list | None):
+        super().__init__()
+        self.m, self.ws = m, ws
+        self.program, self.project = namespace["program"], namespace["project"]
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        outs = self.program(self.m, *xs)
+        return outs if self.ws is None else self.project(outs, self.ws)
+
+
+def run(
+    program: Program, p: float, compiled: bool, ws: list | None = None, double: bool = False
+) -> Run:
+    """One forward and backward of `program` with dropout `p`, eager or with seqfast. Given `ws`
+    (projection weights), the outputs are projected to the scalar loss (by the compiled function
+    itself when `compiled`) and that loss is the one output. `double` runs eager on float64
+    copies of the parameters and inputs."""
+    namespace = program.namespace(p)
+    g = torch.Generator().manual_seed(program.seed)
+    m, xs = namespace["build"](g), namespace["inputs"](g)
+    if double:
+        m.double()
+        xs = [
+            x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+            for x in xs
+        ]
+    fn: Any = Fuzzed(namespace, m, ws if compiled else None)
+    if compiled:
+        torch._dynamo.reset()  # every program runs through the same Fuzzed.forward
+        fn = torch.compile(fn, backend="seqfast")
+    torch.manual_seed(program.seed)
+    with collecting() as report:
+        result = fn(*xs)
+        if compiled and ws is not None:
+            outputs, loss = [result], result
+        else:
+            outputs = list(result)
+            cast = torch.Tensor.double if double else torch.Tensor.float
+            rs = ws or namespace["weights"](outputs)
+            loss = sum((cast(o) * r).sum() for o, r in zip(outputs, rs, strict=True))
+            outputs = outputs if ws is None else [loss]
+        loss.backward()
+    leaves = {f"input {i}": x for i, x in enumerate(xs) if x.requires_grad}
+    leaves.update({f"parameter {n}": t for n, t in m.named_parameters()})
+    return Run(
+        outputs=[o.detach() for o in outputs],
+        grads={name: t.grad for name, t in leaves.items()},
+        counts=report.counts,
+        missed=[f"{m.pattern}: {m.reason}" for m in report.missed],
+    )
+
+
+def assert_close(
+    what: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    truth: Callable[[], torch.Tensor] | None = None,
+) -> None:
+    """Within `dtype`'s tolerance of eager, the absolute part scaled by the largest expected
+    magnitude (sums of many terms round at that scale). Failing that, `truth()` (the float64
+    result) decides: seqfast may be as far from it as eager is, plus the tolerance (eager rounds
+    too: a LayerNorm over one element has the gradient 0, eager's is not)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    finite = expected[expected.isfinite()]
+    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    tol = TOLERANCES[dtype]
+    atol, rtol = tol["atol"] * scale, tol["rtol"]
+    try:
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
+    except AssertionError as error:
+        message = f"{what} differs from eager: {error}"
+        if truth is None:
+            raise AssertionError(message) from None
+        t = truth()
+        fast_off, eager_off = (actual.double() - t).abs(), (expected.double() - t).abs()
+        if not (fast_off <= eager_off + atol + rtol * t.abs()).all():
+            raise AssertionError(
+                f"{message}\nand from the float64 result by up to {fast_off.max().item():.3g},"
+                f" where eager is off by up to {eager_off.max().item():.3g}"
+            ) from None
+
+
+def check_values(program: Program) -> tuple[Run, Run]:
+    """Eager and seqfast with dropout off: outputs and gradients (a float64 run breaks ties);
+    returns both runs."""
+    eager = run(program, 0.0, compiled=False)
+    namespace = program.namespace(0.0)
+    ws = namespace["weights"](eager.outputs) if program.project_inside else None
+    fast = run(program, 0.0, compiled=True, ws=ws)
+    expected = eager.outputs if ws is None else [namespace["project"](eager.outputs, ws)]
+    reference = functools.cache(lambda: run(program, 0.0, compiled=False, ws=ws, double=True))
+    assert len(fast.outputs) == len(expected)
+    for i, (a, e) in enumerate(zip(fast.outputs, expected, strict=True)):
+        truth = functools.partial(lambda i: reference().outputs[i], i)
+        assert_close(f"output {i}", a, e, program.tolerance, truth)
+    assert fast.grads.keys() == eager.grads.keys()
+    for name, e in eager.grads.items():
+        a = fast.grads[name]
+        assert (a is None) == (e is None), f"{name}: a gradient exists in one run only"
+        if e is not None:
+            truth = functools.partial(lambda name: reference().grads[name], name)
+            assert_close(f"gradient of {name}", a, e, program.tolerance, truth)
+    return eager, fast
+
+
+def check_fusion_counts(program: Program, fast: Run) -> None:
+    """What README.md promises fused: attention, norm and loss sites exactly, pointwise regions
+    at least (a region may also form around ops of other blocks)."""
+    for family in FAMILIES:
+        promised, fused = program.promised[family], fast.counts[family]
+        exact = family != "pointwise"
+        if fused != promised if exact else fused < promised:
+            raise AssertionError(
+                f"{family}: fused {fused}, README promises {'' if exact else 'at least '}"
+                f"{promised}; refusals: {fast.missed or 'none'}"
+            )
+
+
+def check_dropout(program: Program, eager: list[torch.Tensor]) -> None:
+    """With p > 0 the masks are seqfast's own: shapes and finite values everywhere, and for an
+    output a dropout ends, the kept elements are eager's (no dropout) scaled by 1 / (1 - p), in
+    the proportion 1 - p."""
+    p = program.dropout
+    fast = run(program, p, compiled=True)
+    for i, (a, e) in enumerate(zip(fast.outputs, eager, strict=True)):
+        assert a.shape == e.shape and a.dtype == e.dtype, f"output {i} with dropout {p}"
+        assert a.isfinite().all(), f"output {i} with dropout {p} is not finite"
+    for name, grad in fast.grads.items():
+        assert grad is None or grad.isfinite().all(), f"gradient of {name} with dropout {p}"
+    for i in program.dropped_outputs:
+        a, e = fast.outputs[i], eager[i]
+        kept = a != 0
+        assert_close(f"kept elements of output {i}", a[kept], e[kept] / (1 - p), program.tolerance)
+        n = (e != 0).sum().item()
+        ratio = (kept & (e != 0)).sum().item() / max(n, 1)
+        bound = 5 * math.sqrt(p * (1 - p) / max(n, 1)) + 1 / max(n, 1)
+        assert abs(ratio - (1 - p)) <= bound, f"output {i} keeps {ratio:.3f}, not {1 - p}"
+
+
+def check(program: Program) -> Run:
+    """Every check of one program; returns the seqfast run with dropout off."""
+    eager, fast = check_values(program)
+    check_fusion_counts(program, fast)
+    if program.dropout:
+        check_dropout(program, eager.outputs)
+    return fast
+
+
+def headline(error: BaseException) -> str:
+    """The first line of the error that started it (past Dynamo's wrapper of a backend's own)."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+        error = inner
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def failure(program: Program, nodeid: str, error: Exception) -> str:
+    """The failure's one-line summary and rerun command, then each block that fails alone and
+    the script of the smallest failing program."""
+    lines = [
+        f"{program.summary} | rerun: python -m pytest '{nodeid}'",
+        headline(error),
+    ]
+    shown = program
+    for i in range(program.blocks if program.blocks > 1 else 0):
+        alone = generate(program.seed, only=(i,))
+        try:
+            check(alone)
+        except Exception as e:
+            lines.append(f"fails alone: {alone.summary}: {headline(e)}")
+            shown = alone if shown is program else shown
+    return "\n".join([*lines, f"\n{type(error).__name__}: {error}\n", shown.script()])
+
+
+def fuzz(request: pytest.FixtureRequest, seed: int, records: list) -> None:
+    program = generate(seed)
+    try:
+        fast = check(program)
+    except Exception as error:
+        raise AssertionError(failure(program, request.node.nodeid, error)) from error
+    records.append((program, fast.counts, fast.missed))
+
+
+@pytest.mark.parametrize("seed", DEFAULT_SEEDS)
+def test_program(request, seed, fusion_records):
+    fuzz(request, seed, fusion_records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_program_long(request, seed, fusion_records):
+    fuzz(request, seed, fusion_records)
