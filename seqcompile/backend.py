@@ -335,6 +335,7 @@ def seqfast(
     compiled, state = _compile(gm, example_inputs, opts)
     if opts.verify:
         compiled = _verify(gm, opts, compiled, state)
+    _release(state)
     state.report.graphs.append(state.name)
     state.write_report()
     publish(state.report)
@@ -362,10 +363,12 @@ def _compile(
         gm = stage(gm, state)
         state.dump(stage.__name__, gm)
         shape = structure.check(stage.__name__, gm, shape)
-    compiled = differentiate(gm, state)
-    # The lazily compiled backward keeps `state` alive: drop the first call's inputs from it.
+    return differentiate(gm, state), state
+
+
+def _release(state: GraphCompile) -> None:
+    """The lazily compiled backward keeps `state` alive: drop the first call's inputs from it."""
     state.example_inputs, state.fake_inputs = (), []
-    return compiled, state
 
 
 def _verify(
@@ -376,12 +379,15 @@ def _verify(
     own and added to the dump's report."""
     quiet = dataclasses.replace(opts, dump_dir=None, verify=False)
     chosen: list[Callable[..., Any]] = []
+    symbolic = list(state.fake_inputs) if _has_symbols(state.fake_inputs) else None
 
     def run(*args: Any) -> Any:
         if not chosen:
 
             def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
-                again, again_state = _compile(gm, args, quiet, only)
+                # with dynamic shapes, at the symbolic sizes, so the result serves every size
+                again, again_state = _compile(gm, symbolic or args, quiet, only)
+                _release(again_state)
                 return again, again_state.sites
 
             result, finding = verify.verified(
@@ -400,3 +406,11 @@ def _verify(
         return chosen[0](*args)
 
     return run
+
+
+def _has_symbols(values: Sequence[Any]) -> bool:
+    return any(
+        isinstance(v, torch.SymInt)
+        or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
+        for v in values
+    )

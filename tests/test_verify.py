@@ -4,8 +4,8 @@ a reproduction script, and shown in the report."""
 
 import subprocess
 import sys
+import warnings
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,43 +35,60 @@ class Block(nn.Module):
         return self.down(F.gelu(self.up(h)))
 
 
-def step(model, x, **options):
+def step(model, x, compiled=None):
     model.zero_grad()
-    compiled = torch.compile(model, backend="seqfast", options=options) if options else model
-    loss = (compiled(x) * torch.linspace(-1, 1, x.shape[-1])).sum()
+    run = model if compiled is None else compiled
+    loss = (run(x) * torch.linspace(-1, 1, x.shape[-1])).sum()
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def seqfast(model, **options):
+    return torch.compile(model, backend="seqfast", options=options)
+
+
 def test_a_correct_compile_is_reported_as_matching_eager():
     torch.manual_seed(0)
+    model = Block()
     with collecting() as report:
-        step(Block(), torch.randn(2, 5, 8), verify=True)
+        step(model, torch.randn(2, 5, 8), seqfast(model, verify=True))
     assert [f.left_unfused for f in report.verified] == [()]
     assert "matches eager (3 fused sites)" in str(report)
 
 
 def test_a_wrong_backward_is_found_left_unfused_reported_and_written_up(monkeypatch, tmp_path):
+    """The fused norm's backward is made wrong: verify finds the norm, and the graph compiled
+    without it (at symbolic sizes, as the compile was dynamic) gives eager's gradients at the
+    first call's size and at another."""
+
     def wrong_backward(*args):
         return tuple(g * 2 for g in real_backward(*args))
 
     real_backward = norm_reference.backward
-    monkeypatch.setattr(norm_reference, "backward", wrong_backward)
     torch.manual_seed(0)
-    model, x = Block(), torch.randn(2, 5, 8)
-    expected_loss, expected = step(model, x)
-
-    with collecting() as report, pytest.warns(UserWarning, match="left unfused: norm:"):
-        loss, grads = step(model, x, verify=True, dump_dir=str(tmp_path))
-
-    torch.testing.assert_close(loss, expected_loss)
-    for got, want in zip(grads, expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    (finding,) = report.verified
+    model = Block()
+    compiled = torch.compile(
+        model, backend="seqfast", dynamic=True, options={"verify": True, "dump_dir": str(tmp_path)}
+    )
+    for length in (5, 7):
+        x = torch.randn(2, length, 8)
+        monkeypatch.setattr(norm_reference, "backward", real_backward)
+        expected_loss, expected = step(model, x)
+        monkeypatch.setattr(norm_reference, "backward", wrong_backward)
+        with collecting() as report, warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            loss, grads = step(model, x, compiled)
+        torch.testing.assert_close(loss, expected_loss)
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        if length == 5:
+            assert any("left unfused: norm:" in str(w.message) for w in warned)
+            first = report
+    (finding,) = first.verified
     assert [site.split(" ")[0] for site in finding.left_unfused] == ["norm:layer_norm"]
-    assert report.counts["norm"] == 0 and report.counts["attention"] == 1
+    assert first.counts["norm"] == 0 and first.counts["attention"] == 1
     assert "the gradient of input" in finding.verdict
-    assert "left unfused: norm:layer_norm" in str(report)
+    assert "left unfused: norm:layer_norm" in str(first)
 
     monkeypatch.setattr(norm_reference, "backward", real_backward)
     script = subprocess.run(

@@ -250,11 +250,10 @@ ENCODER_DECODERS = [
          whisper_batch, hidden, sites(3 * LAYERS, 5 * LAYERS + 2, 0), 2 * LAYERS, BOTH),
     # T5LayerNorm is RMSNorm written out: one per sublayer (two per encoder layer, three per
     # decoder layer) and a final_layer_norm per stack; the gated-GELU feed-forward is the
-    # activation site. The encoder's relative-position buckets are summed in place
-    # (`relative_buckets += torch.where(...)`), an op the pointwise fuser does not take
+    # activation site
     Case("t5-v1.1", _hf("T5ForConditionalGeneration", "T5Config", **_T5_V1_1),
          t5_batch, own_loss, sites(3 * LAYERS, 5 * LAYERS + 2, 1), 2 * LAYERS, BOTH,
-         (*LOGITS_RETURNED, "aten.add_.Tensor is not supported by the pointwise fuser")),
+         LOGITS_RETURNED),
     # post-norm: layernorm_embedding per stack, two per encoder layer, three per decoder layer,
     # no final norm
     Case("bart", _hf("BartModel", "BartConfig", **_BART),
