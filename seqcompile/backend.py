@@ -169,7 +169,7 @@ def plan_memory(
 ) -> tuple[GraphModule, GraphModule]:
     """Stage 5: split the joint graph; fold gradient sums into region backwards; let backward ops
     write over saved tensors only they read; record what the forward keeps for the backward."""
-    joint = _executor_joint_passes(joint, state)
+    joint = _checked_joint_passes("differentiate", joint, state)
     joint_forward = {n.name for n in budget.forward_nodes(joint)}
     options = state.options
     plan = None
@@ -221,7 +221,7 @@ def lower(
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
     rest runs on the chosen executor."""
     if kind == "inference":
-        gm = _executor_joint_passes(gm, state)
+        gm = _checked_joint_passes("lower", gm, state)
     state.dump(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
@@ -278,6 +278,14 @@ def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _checked_joint_passes(stage: str, gm: GraphModule, state: GraphCompile) -> GraphModule:
+    """The executor's joint passes on AOTAutograd's graph, with the structural check after."""
+    given = structure.signature(gm, paths=False)
+    gm = _executor_joint_passes(gm, state)
+    structure.check(stage, gm, given)
+    return gm
 
 
 def _executor_joint_passes(gm: GraphModule, state: GraphCompile) -> GraphModule:
