@@ -123,6 +123,28 @@ def _pow(x: str, exponent: Any) -> str:
     return f"tl.exp2({_literal(float(exponent))} * tl.log2({x}))"
 
 
+def _scalar_base_pow(node: Node, a: list[str], p: _Printer) -> str:
+    """`base ** x` for a constant base, as `exp2(x * log2(base))` for a positive base; a negative
+    base has a real power at integer exponents only (negative at the odd ones), NaN elsewhere."""
+    base = node.args[0]
+    if not isinstance(base, int | float) or isinstance(base, bool):
+        raise Unprintable(f"pow with base {base!r}")
+    if not node.meta["val"].dtype.is_floating_point:
+        raise Unprintable("pow of a constant base to an integer tensor")
+    x = p.as_float(a[1], node.args[1])
+    if base == 0:  # 0 ** 0 is 1; 0 ** x is 0 above and inf below, NaN at NaN
+        return f'tl.where({x} == 0, 1.0, tl.exp2({x} * -float("inf")))'
+    if abs(base) == 1:  # 1 ** x is 1 even at inf and NaN, where the exp2 spelling is NaN
+        magnitude = f"(tl.zeros_like({x}) + 1.0)"
+    else:
+        magnitude = f"tl.exp2({x} * {_literal(math.log2(abs(base)))})"
+    if base > 0:
+        return magnitude
+    odd = f"({x} - 2.0 * tl.floor({x} * 0.5) == 1.0)"
+    signed = f"tl.where({odd}, -{magnitude}, {magnitude})"
+    return f'tl.where({x} == tl.floor({x}), {signed}, float("nan"))'
+
+
 def _alpha(node: Node) -> Any:
     return node.kwargs.get("alpha", 1)
 
@@ -228,6 +250,7 @@ _RULES: dict[Any, _Rule] = {
     aten.sgn.default: _unary("sign"),
     aten.sign.default: _unary("sign"),
     aten.pow.Tensor_Scalar: lambda n, a, p: _pow(p.as_float(a[0], n.args[0]), n.args[1]),
+    aten.pow.Scalar: _scalar_base_pow,
     aten.clamp.default: _clamp,
     aten.clamp_min.default: _clamp,
     aten.clamp_max.default: lambda n, a, p: f"tl.minimum({a[0]}, {a[1]})",
@@ -237,6 +260,7 @@ _RULES: dict[Any, _Rule] = {
     aten.scalar_tensor.default: _constant(0),
     aten.full_like.default: _constant(1),
     aten.zeros_like.default: _constant(-1),
+    aten.zeros.default: _constant(-1),
     aten.ones_like.default: _constant(-2),
 }
 for _name, _op in (
@@ -325,10 +349,11 @@ def render(
         rule = _RULES.get(node.target)
         if rule is None:
             raise Unprintable(f"{node.target} has no Triton spelling in the pointwise printer")
+        # a list is a constant's size (zeros): the constant broadcasts over the region
         args = [
             names[a] if isinstance(a, Node) else _literal(a)
             for a in node.args
-            if not isinstance(a, torch.dtype | torch.device | torch.layout | str)
+            if not isinstance(a, torch.dtype | torch.device | torch.layout | str | list)
         ]
         var = names[node] = f"v_{node.name}"
         body.append(f"{var} = {rule(node, args, printer)}")

@@ -1,8 +1,9 @@
 """The pointwise region fuser, the fuse stage's last pass: every maximal connected region of
 supported element-wise ops of one shape becomes one `seqfast::pointwise` call whose kernels are
 generated from the region (see `ops/pointwise.py`). A linear's bias feeding a region is moved into
-it, so the matmul runs without its epilogue. Unsupported element-wise ops next to a region are
-reported with the reason the region ends there."""
+it, so the matmul runs without its epilogue. A region whose value is read outside it before its
+last op is computed ahead of that read, or split there where it reads a value made after the read.
+Unsupported element-wise ops next to a region are reported with the reason the region ends there."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ SUPPORTED = frozenset(
         aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.exp.default,
         aten.log.default, aten.sqrt.default, aten.rsqrt.default, aten.erf.default,
         aten.abs.default, aten.sin.default, aten.cos.default, aten.sign.default,
-        aten.sgn.default, aten.pow.Tensor_Scalar,
+        aten.sgn.default, aten.pow.Tensor_Scalar, aten.pow.Scalar,
         aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default,
         aten.minimum.default, aten.to.dtype, aten._to_copy.default, aten.clone.default,
         aten.dropout.default, aten.square.default, aten.min.other, aten.max.other,
@@ -242,16 +243,20 @@ def fuse_regions(ctx: FuseContext) -> None:
     ]
     borders = _borders(refusals, {n for nodes in chosen for n in nodes})
     fused: set[Node] = set()
-    for nodes in chosen:
-        anchor = nodes[-1]
-        if not ctx.admits(FAMILY, anchor):
-            continue
-        reason = _replace(ctx, nodes)
-        if reason is not None:
-            ctx.report.missed.append(Missed(site_name(anchor), FAMILY, reason))
-        else:
-            ctx.fused(FAMILY, anchor)
-            fused.update(nodes)
+    for region in chosen:
+        parts = [p for p in _placeable_parts(region, node_order(graph)) if _worth_fusing(p)]
+        if not parts and ctx.admits(FAMILY, region[-1]):
+            ctx.report.missed.append(Missed(site_name(region[-1]), FAMILY, _EARLY_USE))
+        for nodes in parts:
+            anchor = nodes[-1]
+            if not ctx.admits(FAMILY, anchor):
+                continue
+            reason = _replace(ctx, nodes)
+            if reason is not None:
+                ctx.report.missed.append(Missed(site_name(anchor), FAMILY, reason))
+            else:
+                ctx.fused(FAMILY, anchor)
+                fused.update(nodes)
     for node, (reason, neighbours) in borders.items():
         if neighbours & fused:
             ctx.report.missed.append(
@@ -259,6 +264,31 @@ def fuse_regions(ctx: FuseContext) -> None:
             )
     graph.lint()
     ctx.gm.recompile()
+
+
+_EARLY_USE = (
+    "a value of the region is used before the region ends, ahead of a value the region reads;"
+    " no part of the region split at that use is worth fusing"
+)
+
+
+def _placeable_parts(nodes: list[Node], order: dict[Node, int]) -> list[list[Node]]:
+    """`nodes` (a region, in graph order) as parts that one call each can compute, placed after
+    every value the part reads and before every read of its values outside it: the whole region
+    when all it reads exists before the first outside read of its values; else the nodes before
+    that read, then the rest, parted the same way."""
+    parts = []
+    while True:
+        cut = Cut.of(nodes)
+        members = set(nodes)
+        first_read = min(
+            (order[u] for o in cut.outputs for u in o.users if u not in members),
+            default=len(order),
+        )
+        if all(order[i] < first_read for i in cut.inputs):
+            return [*parts, nodes]
+        parts.append([n for n in nodes if order[n] < first_read])
+        nodes = [n for n in nodes if order[n] > first_read]
 
 
 def _borders(
@@ -322,13 +352,15 @@ class Cut:
 
 
 def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
-    """Swap `nodes` for one fused call; return why not when it cannot be done."""
+    """Swap `nodes` (a part `_placeable_parts` gives) for one fused call, placed after the last
+    of them or, where a value of theirs is read outside before that, just before the first such
+    read; return why not when it cannot be done."""
     order = node_order(ctx.gm.graph)
     cut = Cut.of(nodes)
     members, inputs, outputs, dropouts = set(nodes), cut.inputs, cut.outputs, cut.dropouts
     last = nodes[-1]
-    if any(order[u] < order[last] for o in outputs for u in o.users if u not in members):
-        return "a value of the region is used before the region ends"
+    readers = [u for o in outputs for u in o.users if u not in members]
+    first_read = min(readers, key=order.__getitem__, default=None)
     values = [tensor_val(i) for i in inputs]
     needs_grad = [
         ctx.requires_grad(i) and v.dtype.is_floating_point
@@ -349,7 +381,8 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
     for _ in dropouts[1:]:
         ctx.next_stream()
     ctx.site = last
-    with ctx.gm.graph.inserting_after(last):
+    early = first_read is not None and order[first_read] < order[last]
+    with ctx.gm.graph.inserting_before(first_read) if early else ctx.gm.graph.inserting_after(last):
         call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
     with ctx.gm.graph.inserting_after(call):
         items = [insert_getitem(ctx.gm.graph, call, k) for k in range(len(outputs))]

@@ -44,6 +44,8 @@ UNARY = {
     "pow3": lambda x: x**3,
     "pow_neg2": lambda x: x**-2.0,
     "pow5": lambda x: x**5,
+    "two_to_the": lambda x: 2**x,
+    "constant_base_below_one": lambda x: torch.pow(0.3, x) * x,
     "clamp": lambda x: x.clamp(-0.5, 0.7),
     "clamp_max_only": lambda x: x.clamp(max=0.3) + x.clamp(min=-0.2),
     "half_cast": lambda x: x.to(torch.float16).float() * 3,
@@ -148,6 +150,24 @@ def test_binary_ops_on_broadcast_shapes(impl, name):
     fn, other = BINARY[name]
     positive = name.startswith("div")
     check(*run(fn, [make(SHAPE), make(other, positive=positive, seed=1)]))
+
+
+@pytest.mark.parametrize("base", [3.5, 0.5, 1, 0.0, -1, -2.0])
+def test_a_constant_base_at_special_exponents(impl, base):
+    """Integer, half and infinite exponents and NaN; a negative base is real at integers only
+    (negative at the odd ones). The gradient is `base ** x * ln(base)`, NaN below zero."""
+    x = torch.tensor(
+        [-3.0, -2.0, -1.5, -1.0, -0.25, 0.0, 0.5, 1.0, 2.0, 3.0, 7.0, math.inf, -math.inf, math.nan]
+    ).requires_grad_()
+    region = region_of_function(lambda t: torch.pow(base, t), [x])
+    (out,) = pointwise([x], None, 0, region.key)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    wide = x.detach().double().requires_grad_()
+    expected = torch.pow(base, wide)
+    (expected_grad,) = torch.autograd.grad(expected, wide, torch.ones_like(expected))
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out, expected.float(), **tol, equal_nan=True)
+    torch.testing.assert_close(grad, expected_grad.float(), **tol, equal_nan=True)
 
 
 def test_masks_where_comparisons_and_bool_outputs(impl):

@@ -116,6 +116,69 @@ def test_an_unsupported_op_splits_the_region_with_its_reason():
     assert "the region is split here" in report.missed[0].reason
 
 
+def test_a_region_read_before_it_ends_is_placed_before_the_read():
+    """The matmul reads `h` ahead of the region's last ops; everything the region reads exists
+    by then, so the fused call goes before the matmul."""
+
+    def fn(x, w):
+        h = torch.tanh(x) * 2
+        m = h @ w
+        return m, h.exp() + 1
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, 3, seed=1)], counts={"pointwise": 1})
+
+
+def test_a_region_read_before_a_value_it_reads_is_made_is_split_at_the_read():
+    """`r` is made after the matmul reads `h`: the ops before the read are one call, the ops
+    after it another."""
+
+    def fn(x, w, y):
+        h = torch.tanh(x) * 2
+        m = h @ w
+        r = y.sum(-1, keepdim=True)
+        return m, h.exp() * r + 1
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, 3, seed=1), leaf(4, 5, seed=2)], counts={"pointwise": 2})
+
+
+def test_a_region_whose_parts_are_single_ops_is_refused_with_the_reason():
+    def fn(x, w, y):
+        h = torch.tanh(x)
+        m = h @ w
+        return m, h * y.sum(-1, keepdim=True)
+
+    check_fusion(
+        fn,
+        [leaf(4, 6), leaf(6, 3, seed=1), leaf(4, 5, seed=2)],
+        counts={"pointwise": 0},
+        missed=["used before the region ends, ahead of a value the region reads"],
+    )
+
+
+def test_a_region_read_early_stays_on_its_side_of_a_grad_mode_switch():
+    """The ops under no_grad are a region of their own: the call placed before the matmul holds
+    only the ops made with grad, which keep their gradients."""
+
+    def fn(x, w):
+        h = torch.tanh(x) * 2
+        m = h @ w
+        g = h.exp() + 1
+        with torch.no_grad():
+            c = (h * 3).sigmoid()
+        return m, g, g * c
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, 3, seed=1)], counts={"pointwise": 2})
+
+
+def test_a_constant_raised_to_a_tensor_joins_the_region():
+    """MPT's ALiBi slopes, `1 / 2 ** x`, and a base below one, with gradients."""
+
+    def fn(x):
+        return 1.0 / torch.pow(2, x * 0.5) + 0.7**x
+
+    check_fusion(fn, [leaf(4, 6)], counts={"pointwise": 1})
+
+
 def test_reductions_and_matmuls_end_regions():
     def fn(x, w):
         h = F.gelu(x * 2)
