@@ -224,6 +224,28 @@ CAUSAL_LM = [
                      n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH),
+    # beyond the list, in the slow tier. MPT: norm_1 and norm_2 per block, norm_f; its ALiBi
+    # slopes are 2 ** x and its mask is negated again per layer (a region read before it ends)
+    Case("mpt", _hf("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=WIDTH,
+                    n_layers=LAYERS, n_heads=HEADS, max_seq_len=POSITIONS, pad_token_id=0),
+         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, ("eager",),
+         LOGITS_RETURNED, slow=True),
+    # Falcon with ALiBi: one input_layernorm per layer (parallel attention and MLP), ln_f; the
+    # scores are scaled in place (`attention_logits *= inv_norm_factor`)
+    Case("falcon-alibi", _hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,
+                             hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, alibi=True, hidden_dropout=0.0,
+                             attention_dropout=0.0, bos_token_id=1, eos_token_id=2),
+         causal_lm_batch, own_loss, sites(LAYERS, LAYERS + 1, 1), LAYERS, ("eager",),
+         LOGITS_RETURNED, slow=True),
+    # GPT-J: ln_1 per layer (parallel attention and MLP), ln_f; q and k upcast to float32 and
+    # the scores divided by a tensor attribute (a constant once captured)
+    Case("gpt-j", _hf("GPTJForCausalLM", "GPTJConfig", vocab_size=VOCAB, n_embd=WIDTH,
+                      n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=POSITIONS,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
+                      eos_token_id=2),
+         causal_lm_batch, own_loss, sites(LAYERS, LAYERS + 1, 1), LAYERS, ("eager",),
+         LOGITS_RETURNED, slow=True),
 ]  # fmt: skip
 
 ENCODERS = [
