@@ -10,10 +10,12 @@
       lprobs = log_softmax(x, -1);  nll = -lprobs.gather(-1, target);  smooth = -lprobs.sum(-1)
       nll, smooth = masked_fill(pad, 0) of each;  loss = a * nll.sum() + b * smooth.sum()
 
-  (with the same views allowed between `log_softmax` and its readers) is
+  (with the same views allowed between `log_softmax` and its readers; without an ignore index
+  fairseq squeezes the trailing 1 of each term instead of masking it) is
   `k * cross_entropy_loss(x, target, reduction=sum, ignore_index=pad, label_smoothing=s)`
   with k = a + b V and s = b V / k (torch's smoothing spreads s / V over every class). When the
   summed nll is read elsewhere too (fairseq logs it), it becomes a second loss without smoothing.
+  `read_smoothed_nll` also says why a sum spelled like this loss is not one, for the report.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import RESHAPES, arg, is_call, only_user, tensor_val
+from seqcompile.fx_utils import RESHAPES, arg, is_call, same_shape, tensor_val
 
 if TYPE_CHECKING:
     from seqcompile.normalize import RuleContext
@@ -37,6 +39,11 @@ _PERMUTES = (aten.transpose.int, aten.permute.default, aten.t.default)
 _COPYING_VIEWS = {aten.view.default, aten._unsafe_view.default}
 """Replayed on the log-softmax's input as `reshape`: that input may be strided where the
 log-softmax's fresh output was not."""
+_SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+_WRAPPERS = (aten.neg.default, aten.masked_fill.Scalar, *_SQUEEZES)
+_NO_PAD = -100
+"""The ignore index of a label-smoothed loss that masks no padding: a negative index, which the
+gather it replaces refuses."""
 
 
 @dataclasses.dataclass
@@ -136,82 +143,186 @@ def _scaled(node: Any) -> tuple[Node, float] | None:
     return None
 
 
-def _masked_sum(node: Any, allow_readers: bool) -> tuple[Node, Node] | None:
-    """(term, pad mask) when `node` is `masked_fill(term, pad, 0).sum()`."""
-    if not is_call(node, aten.sum.default):
+@dataclasses.dataclass
+class _Term:
+    """One term of the label-smoothed loss: `total` is `core` (the gather of the target, or the
+    sum over the classes) negated, with its padding rows filled with 0 (with an ignore index) or
+    its trailing 1 squeezed (without one), summed, and maybe negated again."""
+
+    core: Node
+    wrappers: list[Node]
+    """From the total down to the core (which they leave out)."""
+
+    @property
+    def total(self) -> Node:
+        return self.wrappers[0]
+
+    @property
+    def sign(self) -> float:
+        """`total` over the sum of `core`: the wrappers negate or keep it."""
+        return (-1.0) ** sum(is_call(w, aten.neg.default) for w in self.wrappers)
+
+    @property
+    def fills(self) -> list[Node]:
+        return [w for w in self.wrappers if is_call(w, aten.masked_fill.Scalar)]
+
+
+def _term(total: Any) -> _Term | None:
+    """The term whose total is `total` (None: it is no sum of a gather or of a sum over a dim)."""
+    wrappers, node = [], total
+    while is_call(node, aten.neg.default):
+        wrappers.append(node)
+        node = node.args[0]
+    if not is_call(node, aten.sum.default) or arg(node, 1, "dtype") is not None:
         return None
-    if not allow_readers and len(node.users) != 1:
+    wrappers.append(node)
+    node = node.args[0]
+    while is_call(node, *_WRAPPERS):
+        wrappers.append(node)
+        node = node.args[0]
+    if not is_call(node, aten.gather.default, aten.sum.dim_IntList):
         return None
-    fill = node.args[0]
-    if not is_call(fill, aten.masked_fill.Scalar) or fill.args[2] != 0 or only_user(fill) is None:
-        return None
-    return fill.args[0], fill.args[1]
+    return _Term(node, wrappers)
 
 
-def _negated(node: Any) -> Node | None:
-    if is_call(node, aten.neg.default) and only_user(node) is not None:
-        return node.args[0]
-    return None
+@dataclasses.dataclass
+class SmoothedNll:
+    """The label-smoothed loss written out, read as
+    `k * cross_entropy_loss(x, target, reduction=sum, ignore_index=pad, label_smoothing=s)`."""
+
+    log_probs: LogProbs
+    target: Node
+    """The gathered index, one per row (shape (..., 1))."""
+    pad: int | None
+    """The index whose rows both terms mask (None: no term masks)."""
+    nll: _Term
+    """Its total may be read elsewhere too (fairseq logs it)."""
+    k: float
+    smoothing: float
 
 
-def smoothed_nll_written_out(node: Node, ctx: RuleContext) -> Node | None:
+def read_smoothed_nll(node: Node) -> SmoothedNll | str | None:
+    """`node` as the label-smoothed loss written out, or why it cannot be read as one when it is
+    spelled like one (a weighted sum of the totals of a gather from a tensor and of that tensor's
+    sum over a dim); None when it is not spelled like one."""
     if not is_call(node, aten.add.Tensor) or node.kwargs:
         return None
-    terms = [_scaled(t) for t in node.args]
-    if None in terms:
+    scaled = [_scaled(t) for t in node.args]
+    if None in scaled:
         return None
     for i in (0, 1):
-        (nll_sum, a), (smooth_sum, b) = terms[i], terms[1 - i]
-        found = _smoothed(nll_sum, smooth_sum)
-        if found is not None:
-            log_probs, target, pad = found
-            scaled_nll = node.args[i]
+        (nll_sum, a), (smooth_sum, b) = scaled[i], scaled[1 - i]
+        nll, smooth = _term(nll_sum), _term(smooth_sum)
+        if nll is not None and smooth is not None and _gather_and_sum(nll.core, smooth.core):
             break
     else:
         return None
-    vocab = tensor_val(log_probs.read).shape[-1]
-    if not isinstance(vocab, int) or a + b * vocab == 0:
-        return None
+    gathered = nll.core
+    why = _why_not_terms(node, nll, smooth)
+    if why is not None:
+        return why
+    pad = _padding(nll, smooth)
+    if isinstance(pad, str):
+        return pad
+    found = read_log_probs(gathered.args[0], -1, readers=2)
+    if isinstance(found, str):
+        return found
+    vocab = tensor_val(found.read).shape[-1]
+    if not isinstance(vocab, int):
+        return f"the number of classes {vocab} is symbolic"
+    # the loss weighs nll = -sum(gather) and smooth = -sum(sum); each total is sign * sum(core)
+    a, b = -a * nll.sign, -b * smooth.sign
     k = a + b * vocab
-    x = _logits(ctx, log_probs)
+    if k == 0 or not 0 <= b * vocab / k <= 1:
+        return (
+            f"weights {a:g} of the nll and {b:g} of the smoothing term over {vocab} classes"
+            " are no label smoothing in [0, 1]"
+        )
+    return SmoothedNll(found, gathered.args[2], pad, nll, k, b * vocab / k)
+
+
+def _gather_and_sum(gathered: Node, summed: Node) -> bool:
+    """A gather from a tensor and a sum over dims of the same tensor."""
+    return (
+        is_call(gathered, aten.gather.default)
+        and is_call(summed, aten.sum.dim_IntList)
+        and gathered.args[0] is summed.args[0]
+    )
+
+
+def _why_not_terms(node: Node, nll: _Term, smooth: _Term) -> str | None:
+    """Why the terms added by `node` are not a gather of one index per row and a sum over the
+    classes, read only on the way to `node` (the nll total may be read elsewhere)."""
+    chain = [*node.args, *nll.wrappers[1:], *smooth.wrappers, nll.core, smooth.core]
+    for n in chain:
+        if len(n.users) != 1:
+            users = ", ".join(sorted(u.name for u in n.users))
+            return f"{n.name} of the label-smoothed loss is read elsewhere too ({users})"
+    lprobs, index = tensor_val(nll.core.args[0]).shape, tensor_val(nll.core.args[2]).shape
+    rank = len(lprobs)
+    summed = arg(smooth.core, 1, "dim") or range(rank)
+    dims = sorted({nll.core.args[1] % rank, *(d % rank for d in summed)})
+    if dims != [rank - 1]:
+        return f"the gather and the sum run over dims {dims}, not over the classes (dim {rank - 1})"
+    rows = lprobs[:-1]
+    if not (
+        len(index) == rank
+        and statically_known_true(index[-1] == 1)
+        and all(statically_known_true(i == r) for i, r in zip(index[:-1], rows, strict=True))
+    ):
+        return f"the gathered index has shape {list(index)}, not one per row of {list(rows)}"
+    return None
+
+
+def _padding(nll: _Term, smooth: _Term) -> int | None | str:
+    """The index whose rows both terms fill with 0 (None: neither fills), or why they do not
+    mask the same rows."""
+    if not nll.fills and not smooth.fills:
+        return None
+    if len(nll.fills) != 1 or len(smooth.fills) != 1:
+        return (
+            f"the nll term masks padding {len(nll.fills)} times and the smoothing term"
+            f" {len(smooth.fills)} times (both once, or neither, is the loss)"
+        )
+    target, mask = nll.core.args[2], nll.fills[0].args[1]
+    if smooth.fills[0].args[1] is not mask:
+        return "the nll and the smoothing term mask padding with different masks"
+    if not (
+        is_call(mask, aten.eq.Scalar)
+        and mask.args[0] is target
+        and isinstance(mask.args[1], int)
+        and not isinstance(mask.args[1], bool)
+    ):
+        return f"the padding mask {mask.name} is no `target.eq(index)` of the gathered target"
+    for fill in (*nll.fills, *smooth.fills):
+        if fill.args[2] != 0:
+            return f"{fill.name} fills the padding with {fill.args[2]}, not 0"
+        filled = tensor_val(fill.args[0])
+        if not same_shape(filled, tensor_val(mask)):
+            return (
+                f"{fill.name} broadcasts its mask of shape {list(tensor_val(mask).shape)}"
+                f" over a term of shape {list(filled.shape)}"
+            )
+    return mask.args[1]
+
+
+def smoothed_nll_written_out(node: Node, ctx: RuleContext) -> Node | None:
+    found = read_smoothed_nll(node)
+    if not isinstance(found, SmoothedNll):
+        return None
+    vocab = tensor_val(found.log_probs.read).shape[-1]
+    x = _logits(ctx, found.log_probs)
     if tensor_val(x).dim() != 2:
         x = ctx.call(aten.reshape.default, x, [-1, vocab])
-    flat_target = ctx.call(aten.reshape.default, target, [-1])
+    target = ctx.call(aten.reshape.default, found.target, [-1])
+    pad = _NO_PAD if found.pad is None else found.pad
     loss = ctx.call(
-        aten.cross_entropy_loss.default, x, flat_target, None, _REDUCTION_SUM, pad, b * vocab / k
+        aten.cross_entropy_loss.default, x, target, None, _REDUCTION_SUM, pad, found.smoothing
     )
+    nll_sum = found.nll.total
     if len(nll_sum.users) > 1:
-        plain = ctx.call(
-            aten.cross_entropy_loss.default, x, flat_target, None, _REDUCTION_SUM, pad, 0.0
-        )
-        nll_sum.replace_all_uses_with(plain, delete_user_cb=lambda u: u is not scaled_nll)
-    return ctx.call(aten.mul.Tensor, loss, k)
-
-
-def _smoothed(nll_sum: Node, smooth_sum: Node) -> tuple[LogProbs, Node, int] | None:
-    """(log-probabilities, target (..., 1), pad index) when the two sums are fairseq's masked
-    terms."""
-    nll, smooth = _masked_sum(nll_sum, True), _masked_sum(smooth_sum, False)
-    if nll is None or smooth is None:
-        return None
-    (nll_term, pad), (smooth_term, smooth_pad) = nll, smooth
-    gathered, summed = _negated(nll_term), _negated(smooth_term)
-    if pad is not smooth_pad or not is_call(pad, aten.eq.Scalar):
-        return None
-    if not is_call(gathered, aten.gather.default) or not is_call(summed, aten.sum.dim_IntList):
-        return None
-    lprobs, target = gathered.args[0], gathered.args[2]
-    if summed.args[0] is not lprobs or len(summed.args[1]) != 1 or not arg(summed, 2, "keepdim"):
-        return None
-    if pad.args[0] is not target or not isinstance(pad.args[1], int):
-        return None
-    found = read_log_probs(lprobs, -1, readers=2)
-    rank = tensor_val(lprobs).dim()
-    if isinstance(found, str) or {gathered.args[1] % rank, summed.args[1][0] % rank} != {rank - 1}:
-        return None
-    rows, index = tensor_val(lprobs).shape, tensor_val(target).shape
-    if len(index) != rank or index[-1] != 1:
-        return None
-    if not all(statically_known_true(i == r) for i, r in zip(index[:-1], rows[:-1], strict=True)):
-        return None
-    return found, target, pad.args[1]
+        plain = ctx.call(aten.cross_entropy_loss.default, x, target, None, _REDUCTION_SUM, pad, 0.0)
+        if found.nll.sign > 0:
+            plain = ctx.call(aten.neg.default, plain)
+        nll_sum.replace_all_uses_with(plain, delete_user_cb=lambda u: u not in node.args)
+    return ctx.call(aten.mul.Tensor, loss, found.k)

@@ -6,8 +6,9 @@ loss in `seqfast::linear_cross_entropy`, which never builds the full logits.
 An upcast of the logits to float32 before the loss is absorbed: the kernels read the logits in
 their own dtype and compute in float32 either way. Logits with the classes on dim 1 of three or
 more dims (`(B, V, T)`, often a transpose of `(B, T, V)`) are read as `(rows, classes)` rows when
-that is a view with contiguous classes, and refused with the reason otherwise. An `nll_loss` that
-normalization left alone is reported with the reason.
+that is a view with contiguous classes, and refused with the reason otherwise. An `nll_loss`, or a
+sum spelled like the label-smoothed loss written out, that normalization left alone is reported
+with the reason.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     if is_call(node, *normalize_loss.NLL):
         why = normalize_loss.nll_log_probs(node)
         return Reject("nll_loss is not read as a cross-entropy: {}", why)
+    smoothed = normalize_loss.read_smoothed_nll(node)
+    if isinstance(smoothed, str):
+        return Reject("a label-smoothed loss written out is not read as one: {}", smoothed)
     if not is_call(node, aten.cross_entropy_loss.default):
         return None
     x, target = node.args[0], node.args[1]

@@ -104,8 +104,6 @@ class Program:
     """The dtype whose tolerance the comparisons take: the lowest precision the program uses."""
     promised: Counter[str]
     """Sites README.md says fuse: attention, norm and loss exactly, pointwise at least."""
-    hoped: Counter[str]
-    """Further sites the generator expects to fuse where README.md does not spell them out."""
     dropout: float
     """The probability of the dropout run (0: none; the values are compared at p=0 anyway)."""
     dropped_outputs: tuple[int, ...]
@@ -167,7 +165,6 @@ class Writer:
         self.outputs: list[str] = []
         self.notes: list[str] = []
         self.promised: Counter[str] = Counter()
-        self.hoped: Counter[str] = Counter()
         self.dropouts = 0
         self.dropped: list[int] = []
         self.n = 0
@@ -633,9 +630,9 @@ def loss(w: Writer, logits: str | tuple[str, str, str | None], target: str, igno
     default_ignore = ignore is None or (ignore == -100 and rng.random() < 0.5)
     ignore_arg = "" if default_ignore else f", ignore_index={ignore}"
     if spelling == "fairseq":
-        # README.md describes the spelling with its masked_fill of padding; without an ignore
-        # index fairseq squeezes instead, which the generator hopes fuses too
-        (w.promised if ignore is not None else w.hoped)["loss"] += 2
+        # README.md describes the spelling with its masked_fill of padding and, without an
+        # ignore index, with the squeeze fairseq writes instead
+        w.promised["loss"] += 2
         eps = rng.choice([0.0, 0.1])
         lprobs = w.let("lprobs", f"F.log_softmax({logits}, dim=-1)")
         t = w.let("t", f"{target}.unsqueeze(-1)")
@@ -801,7 +798,6 @@ def generate(seed: int, only: tuple[int, ...] | None = None) -> Program:
         dtype=dtype,
         tolerance=w.tolerance,
         promised=w.promised,
-        hoped=w.hoped,
         dropout=dropout if w.dropouts else 0.0,
         dropped_outputs=tuple(w.dropped),
         project_inside=project_inside,

@@ -53,15 +53,19 @@ def test_log_softmax_then_nll_loss():
     check_fusion(loss, logits_and_targets(pad=3), counts={"loss": 1})
 
 
-def label_smoothed_nll_loss(lprobs, target, epsilon, ignore_index):
+def label_smoothed_nll_loss(lprobs, target, epsilon, ignore_index=None):
     """fairseq's (and LightSeq's) label-smoothed loss, as they write it."""
     if target.dim() == lprobs.dim() - 1:
         target = target.unsqueeze(-1)
     nll_loss = -lprobs.gather(dim=-1, index=target)
     smooth_loss = -lprobs.sum(dim=-1, keepdim=True)
-    pad_mask = target.eq(ignore_index)
-    nll_loss = nll_loss.masked_fill(pad_mask, 0.0)
-    smooth_loss = smooth_loss.masked_fill(pad_mask, 0.0)
+    if ignore_index is not None:
+        pad_mask = target.eq(ignore_index)
+        nll_loss = nll_loss.masked_fill(pad_mask, 0.0)
+        smooth_loss = smooth_loss.masked_fill(pad_mask, 0.0)
+    else:
+        nll_loss = nll_loss.squeeze(-1)
+        smooth_loss = smooth_loss.squeeze(-1)
     nll_loss, smooth_loss = nll_loss.sum(), smooth_loss.sum()
     eps_i = epsilon / (lprobs.size(-1) - 1)
     loss = (1.0 - epsilon - eps_i) * nll_loss + eps_i * smooth_loss
@@ -106,7 +110,43 @@ FAIRSEQ_SPELLINGS = {
     "sequences_unflattened": lambda x, t: label_smoothed_nll_loss(
         F.log_softmax(x, dim=-1), t, 0.1, ignore_index=1
     ),
+    # without an ignore index fairseq squeezes each term's trailing 1 instead of masking it
+    "no_padding_criterion": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.1
+    ),
+    "no_padding_target_view_rows_by_1": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1, 1), 0.1
+    ),
+    "no_padding_sequences_unflattened": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1), t, 0.1
+    ),
+    "no_padding_no_smoothing": lambda x, t: label_smoothed_nll_loss(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.0
+    ),
+    "no_padding_squeezed_before_negation": lambda x, t: label_smoothed_nll_loss_squeezed_first(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.1
+    ),
+    "terms_not_negated": lambda x, t: label_smoothed_log_likelihood(
+        F.log_softmax(x, dim=-1).view(-1, VOCAB), t.view(-1), 0.1
+    ),
 }
+
+
+def label_smoothed_nll_loss_squeezed_first(lprobs, target, epsilon):
+    """The unpadded loss with each term squeezed before it is negated."""
+    target = target.unsqueeze(-1)
+    nll_loss = -lprobs.gather(dim=-1, index=target).squeeze(-1)
+    smooth_loss = -lprobs.sum(dim=-1, keepdim=True).squeeze(-1)
+    nll_loss, smooth_loss = nll_loss.sum(), smooth_loss.sum()
+    eps_i = epsilon / (lprobs.size(-1) - 1)
+    return (1.0 - epsilon - eps_i) * nll_loss + eps_i * smooth_loss, nll_loss
+
+
+def label_smoothed_log_likelihood(lprobs, target, epsilon):
+    """Minus the loss, with the log-likelihoods summed unnegated (the logged sum is one too)."""
+    likelihood = lprobs.gather(dim=-1, index=target.unsqueeze(-1)).sum()
+    eps_i = epsilon / (lprobs.size(-1) - 1)
+    return (1.0 - epsilon - eps_i) * likelihood + eps_i * lprobs.sum(-1).sum(), likelihood
 
 
 @pytest.mark.parametrize("spelling", sorted(FAIRSEQ_SPELLINGS))
@@ -114,6 +154,61 @@ def test_fairseq_label_smoothed_loss_through_views_of_the_rows(spelling):
     check_fusion(
         FAIRSEQ_SPELLINGS[spelling], sequence_logits(pad=1), counts={"loss": 2, "pointwise": 0}
     )
+
+
+def unpadded_loss_of(lprobs, target, epsilon=0.1, smooth_dim=-1, nll_fill=None):
+    """fairseq's unpadded loss with the near misses the refusal tests need: the smoothing sum over
+    `smooth_dim`, and the nll term alone masked with `nll_fill` (a pad index)."""
+    target = target.unsqueeze(-1)
+    nll_loss = -lprobs.gather(dim=-1, index=target)
+    if nll_fill is not None:
+        nll_loss = nll_loss.masked_fill(target.eq(nll_fill), 0.0)
+    nll_loss = nll_loss.squeeze(-1).sum()
+    smooth_loss = -lprobs.sum(dim=smooth_dim, keepdim=True).squeeze(-1).sum()
+    eps_i = epsilon / (lprobs.size(-1) - 1)
+    return (1.0 - epsilon - eps_i) * nll_loss + eps_i * smooth_loss, nll_loss
+
+
+def per_token_nll_returned(x, t):
+    lprobs = F.log_softmax(x, dim=-1)
+    nll = -lprobs.gather(dim=-1, index=t.unsqueeze(-1)).squeeze(-1)
+    smooth = -lprobs.sum(dim=-1, keepdim=True).squeeze(-1)
+    return 0.9 * nll.sum() + 0.1 / (VOCAB - 1) * smooth.sum(), nll
+
+
+SMOOTHED_REFUSALS = {
+    "log_probs_returned": (
+        lambda x, t: (*unpadded_loss_of(lp := F.log_softmax(x, -1), t), lp),
+        "log-probabilities log_softmax are read elsewhere too",
+    ),
+    "per_token_nll_returned": (per_token_nll_returned, "is read elsewhere too"),
+    "log_of_softmax": (
+        lambda x, t: unpadded_loss_of(torch.log(torch.softmax(x, -1)), t),
+        "not a log_softmax",
+    ),
+    "smoothing_over_rows": (
+        lambda x, t: unpadded_loss_of(F.log_softmax(x, -1), t, smooth_dim=0),
+        "not over the classes",
+    ),
+    "index_for_half_the_rows": (
+        lambda x, t: unpadded_loss_of(F.log_softmax(x, -1), t[: ROWS // 2]),
+        "the gathered index has shape [6, 1], not one per row of [12]",
+    ),
+    "only_the_nll_masked": (
+        lambda x, t: unpadded_loss_of(F.log_softmax(x, -1), t, nll_fill=1),
+        "the nll term masks padding 1 times and the smoothing term 0 times",
+    ),
+    "negative_smoothing": (
+        lambda x, t: unpadded_loss_of(F.log_softmax(x, -1), t, epsilon=-0.5),
+        "are no label smoothing in [0, 1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SMOOTHED_REFUSALS))
+def test_a_label_smoothed_loss_that_is_no_cross_entropy_is_reported(spelling):
+    fn, reason = SMOOTHED_REFUSALS[spelling]
+    check_fusion(fn, logits_and_targets(pad=1), counts={"loss": 0}, missed=[reason])
 
 
 def test_class_weights_are_refused_with_the_reason():
