@@ -65,6 +65,9 @@ def trace_pre_dispatch(
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
+DATA = torch._C._autograd._get_data_attr
+"""`tensor.data` as Dynamo records it; traced as is, the result is a new tensor make_fx keeps as a
+constant (the fake value at trace time) instead of a node reading the input."""
 
 
 class _CaptureInterpreter(torch.fx.Interpreter):
@@ -89,6 +92,8 @@ class _CaptureInterpreter(torch.fx.Interpreter):
             body, *operands = args
             self._tag(body)
             return _CaptureInterpreter(body, self.regions, self.notes).run(*operands)
+        if target is DATA:
+            return args[0].detach()  # traced, not a constant baked from the traced value
         if target is AUTOGRAD_FUNCTION:
             self.notes.append(
                 Missed(

@@ -48,6 +48,15 @@ def tensor_val(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def describe(value: Any) -> str:
+    """A value as a report shows it: `float32[3, 64]` for a tensor (or a node of one), else its
+    repr."""
+    t = tensor_val(value) if isinstance(value, Node) else value
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    return repr(value)
+
+
 def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
@@ -203,6 +212,17 @@ def is_barrier(node: Node) -> bool:
         return False
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def grad_enabled_at(node: Node) -> bool:
+    """Whether grad mode is on where `node` runs, as the graph's `_set_grad_enabled` calls before
+    it leave it (the mode the graph is compiled under if none does)."""
+    before = node.prev
+    while before.op != "root":
+        if before.op == "call_function" and before.target is torch._C._set_grad_enabled:
+            return bool(before.args[0])
+        before = before.prev
+    return torch.is_grad_enabled()
 
 
 def barrier_between(first: Node, last: Node) -> bool:

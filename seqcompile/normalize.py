@@ -21,6 +21,7 @@ from seqcompile.fx_utils import (
     RESHAPES,
     arg,
     erase_unused,
+    grad_enabled_at,
     in_layout_of,
     insert_call,
     is_call,
@@ -74,8 +75,8 @@ def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
         return None
     functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
     value = node.args[0] if node.args else None
-    if functional is None or not _fresh(value):
-        return None
+    if functional is None or not _fresh(value) or not grad_enabled_at(node):
+        return None  # (under no_grad the in-place op keeps the value's history; a copy would not)
     if any(_aliases(u) for u in value.users if u is not node):
         return None
     result = ctx.call(functional, *node.args, **node.kwargs)
@@ -85,6 +86,7 @@ def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
         return None
     if tensor_val(result).dtype != dtype:
         result = ctx.call(aten.to.dtype, result, dtype)
+    result = in_layout_of(ctx, result, tensor_val(value))
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     for reader in list(value.users):
         if reader is not node and order[reader] > order[node]:

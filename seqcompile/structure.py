@@ -27,7 +27,16 @@ from torch.utils._pytree import tree_leaves
 from seqcompile.fx_utils import site_name
 
 _GRAD_MODE = torch._C._set_grad_enabled
-_NOT_DIFFERENTIABLE = {torch.ops.aten.detach.default, "detach", torch.Tensor.detach}
+_NOT_DIFFERENTIABLE = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.detach_.default,
+    torch.detach,
+    torch.Tensor.detach,
+    torch.Tensor.detach_,
+    torch._C._autograd._get_data_attr,  # `.data`
+    "detach",
+    "detach_",
+}
 """Ops (ATen, method names and torch functions as Dynamo records them) whose float result carries
 no gradient."""
 
@@ -179,7 +188,27 @@ def _differentiable_inputs(gm: GraphModule, meta_key: str) -> frozenset[int]:
             grad and node.target not in _NOT_DIFFERENTIABLE and (value is None or _floating(value))
         )
         reach[node] = sources if carries else frozenset()
+        written = _written(node)
+        if written is not None:
+            # the tensor keeps its history (an in-place op under no_grad adds none); `detach_`
+            # ends it, for every later reader of the tensor too
+            detached = node.target in _NOT_DIFFERENTIABLE
+            reach[node] = frozenset() if detached else reach.get(written, frozenset()) | reach[node]
+            reach[written] = reach[node]
     return found
+
+
+def _written(node: Node) -> Node | None:
+    """The tensor an in-place op writes (its first argument), or None."""
+    if not node.args or not isinstance(node.args[0], Node):
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        arguments = node.target._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        return node.args[0] if alias is not None and alias.is_write else None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    return node.args[0] if in_place else None
 
 
 def _floating(value: Any) -> bool:

@@ -37,10 +37,6 @@ TOLERANCE = {
 }
 """Largest accepted difference, relative to the largest magnitude of the reference value."""
 
-_RANDOM = frozenset(
-    {"dropout", "rand", "randn", "rand_like", "randn_like", "randint", "bernoulli", "normal"}
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
@@ -59,23 +55,34 @@ class Finding:
         return "\n".join(lines)
 
 
-Compile = Callable[[frozenset[str] | None], tuple[Callable[..., Any], dict[str, str]]]
-"""Compiles the graph fusing only the given site keys (None: all); returns the callable and the
-sites it fused (key to place in the source)."""
+_DROP_PROBABILITY = {
+    torch.ops.aten.dropout.default: (1, "p"),
+    torch.ops.aten.native_dropout.default: (1, "p"),
+    torch.ops.aten.scaled_dot_product_attention.default: (4, "dropout_p"),
+}
+"""Ops that draw random numbers only to drop with a probability (where it is found)."""
 
 
 def draws_random_numbers(gm: GraphModule) -> bool:
+    """Whether the (ATen) graph has an op that draws random numbers; one that only drops with
+    probability 0 (or a dropout not training) does not count."""
     for node in gm.graph.nodes:
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        if node.op in ("call_function", "call_method") and name.lstrip("_") in _RANDOM:
-            return not (name.lstrip("_") == "dropout" and _no_drop(node))
+        tags = getattr(node.target, "tags", ())
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+            continue
+        if node.target in _DROP_PROBABILITY:
+            index, name = _DROP_PROBABILITY[node.target]
+            p = node.kwargs.get(name, node.args[index] if len(node.args) > index else 0.0)
+            train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
+            if p == 0 or (node.target is torch.ops.aten.dropout.default and train is False):
+                continue
+        return True
     return False
 
 
-def _no_drop(node: Any) -> bool:
-    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-    return p == 0 or training is False
+Compile = Callable[[frozenset[str] | None], tuple[Callable[..., Any], dict[str, str]]]
+"""Compiles the graph fusing only the given site keys (None: all); returns the callable and the
+sites it fused (key to place in the source)."""
 
 
 def verified(
@@ -86,10 +93,11 @@ def verified(
     recompile: Compile,
     args: Sequence[Any],
     dump_dir: Path | None,
+    random: bool,
 ) -> tuple[Callable[..., Any], Finding]:
-    """Compare `compiled` with `captured` on `args`; return what should run from now on and what
-    was found."""
-    if draws_random_numbers(captured):
+    """Compare `compiled` with `captured` on `args` (gradients too when grad mode is on); return
+    what should run from now on and what was found. `random`: the graph draws random numbers."""
+    if random:
         return compiled, Finding(name, "not verified: the graph draws random numbers (dropout)")
     mismatch = error = difference(captured, compiled, args)
     if mismatch is None:
@@ -126,13 +134,14 @@ def _first_failing_site(
     left_out: list[str],
 ) -> str | None:
     """The site whose fusion first makes the graph differ: fusing the sites before it matches,
-    fusing it too does not. None if fusing no site differs already."""
+    fusing it too does not. None if fusing none of them differs already, or fusing all of them
+    no longer does (a difference that does not repeat)."""
     candidates = [key for key in order if key not in left_out]
 
     def fails(count: int) -> bool:
         return difference(captured, recompile(frozenset(candidates[:count]))[0], args) is not None
 
-    if fails(0):
+    if not candidates or fails(0) or not fails(len(candidates)):
         return None
     low, high = 0, len(candidates)  # fusing `low` sites matches, fusing `high` differs
     while high - low > 1:
@@ -145,7 +154,8 @@ def difference(
     reference: Callable[..., Any], candidate: Callable[..., Any], args: Sequence[Any]
 ) -> str | None:
     """The first output or input gradient where `candidate` differs from `reference` on `args`
-    beyond its dtype's tolerance, described; None if none does."""
+    beyond its dtype's tolerance, described; None if none does. Both run in the caller's grad
+    mode; gradients are compared only where it is on."""
     expected, expected_grads = _run(reference, args)
     actual, actual_grads = _run(candidate, args)
     if len(actual) != len(expected):
@@ -167,8 +177,8 @@ def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], list[A
         a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
         for a in args
     ]
-    with torch.enable_grad():
-        outputs = [t for t in tree_leaves(fn(*inputs)) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in tree_leaves(fn(*inputs)) if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled():
         differentiable = [t for t in outputs if t.requires_grad]
         generator = torch.Generator().manual_seed(0)
         cotangents = [
@@ -176,7 +186,9 @@ def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], list[A
         ]
         if differentiable:
             torch.autograd.backward(differentiable, cotangents)
-    grads = [i.grad if isinstance(i, torch.Tensor) and i.requires_grad else None for i in inputs]
+    grads = [
+        i.grad if isinstance(i, torch.Tensor) and torch.is_grad_enabled() else None for i in inputs
+    ]
     return [t.detach() for t in outputs], grads
 
 

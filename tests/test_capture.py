@@ -93,3 +93,20 @@ def test_a_custom_autograd_function_is_one_opaque_node():
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert torch.ops.higher_order.autograd_function_apply in targets
     assert aten.gelu.default not in targets, "the custom function's body was traced inline"
+
+
+def test_data_of_an_input_is_read_when_the_graph_runs_and_carries_no_gradient():
+    """`w.data` traced as is would be a constant holding the traced value."""
+
+    def fn(x, w):
+        return torch.relu(x @ w.data) + x @ w
+
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    compiled = torch.compile(fn, backend="seqfast")
+    torch.testing.assert_close(compiled(x, w), fn(x, w))
+    with torch.no_grad():
+        w.mul_(3)
+    out = compiled(x, w)
+    torch.testing.assert_close(out, fn(x, w))
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, x.t() @ torch.ones(3, 2))

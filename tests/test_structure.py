@@ -112,3 +112,46 @@ def test_a_fused_op_laid_out_otherwise_than_the_node_it_replaced_fails_at_the_fu
     compiled = torch.compile(attention, backend="seqfast")
     with pytest.raises(Exception, match=r"after stage 'fuse', at transpose.*\.view\(b, length"):
         compiled(torch.randn(b, length, 3 * heads * dim, requires_grad=True))
+
+
+def _in_place_clamp_under_no_grad(x, w):
+    with torch.no_grad():
+        w.clamp_(-0.5, 0.5)  # a parameter kept in range, as open_clip's logit scale
+    return torch.relu(x * w)
+
+
+def _in_place_scale_under_no_grad(x, w):
+    v = x * w
+    with torch.no_grad():
+        v.mul_(2)  # changes the values, not the history
+    return v * x
+
+
+def _detached_by_function(x, w):
+    return torch.relu(x * torch.detach(w)) + w
+
+
+def _detached_in_place(x, w):
+    v = w * 1
+    v.detach_()
+    return torch.relu(x * v) + w
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _in_place_clamp_under_no_grad,
+        _in_place_scale_under_no_grad,
+        _detached_by_function,
+        _detached_in_place,
+    ],
+)
+def test_correct_graphs_with_in_place_ops_under_no_grad_or_detaches_pass(fn):
+    """An in-place op under no_grad keeps the tensor's history; each spelling of detach ends
+    it, in Dynamo's graph as in ATen's: the check passes and the gradients are eager's."""
+    x = torch.randn(4)
+    w_eager, w_fast = (torch.randn(4, generator=torch.Generator().manual_seed(0)) for _ in "ab")
+    w_eager.requires_grad_(), w_fast.requires_grad_()
+    fn(x, w_eager).sum().backward()
+    torch.compile(fn, backend="seqfast")(x, w_fast).sum().backward()
+    torch.testing.assert_close(w_fast.grad, w_eager.grad)

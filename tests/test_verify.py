@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqcompile import verify
 from seqcompile.ops import norm_reference
 from seqcompile.report import collecting
-from seqcompile.verify import difference
 
 
 class Block(nn.Module):
@@ -108,9 +108,61 @@ def test_a_graph_with_dropout_is_reported_as_not_verified():
 
 def test_difference_names_a_missing_gradient_and_a_wrong_value():
     w = torch.randn(3, requires_grad=True)
-    assert difference(lambda x, w: x * w, lambda x, w: x * w, [torch.randn(3), w]) is None
-    missing = difference(lambda x, w: x * w, lambda x, w: x * w.detach(), [torch.randn(3), w])
+    assert verify.difference(lambda x, w: x * w, lambda x, w: x * w, [torch.randn(3), w]) is None
+    missing = verify.difference(
+        lambda x, w: x * w, lambda x, w: x * w.detach(), [torch.randn(3), w]
+    )
     assert missing == "the gradient of input 1: eager has a gradient and the compiled graph none"
-    assert "output 0: max difference" in difference(
+    assert "output 0: max difference" in verify.difference(
         lambda x: x, lambda x: x * 1.01, [torch.ones(3)]
     )
+
+
+def test_an_inference_graph_is_compared_without_gradients():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 5, 8)
+    with collecting() as report, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seqfast(model, verify=True)(x)
+    assert "matches eager (3 fused sites)" in str(report)
+
+
+def test_any_random_op_makes_a_graph_unverifiable_even_after_a_dropout_that_drops_nothing():
+    def fn(x):
+        return F.dropout(F.dropout(x, 0.0) * 2, 0.5) + torch.rand_like(x)
+
+    with collecting() as report:
+        seqfast(fn, verify=True)(torch.randn(4, requires_grad=True))
+    assert "not verified: the graph draws random numbers" in str(report)
+
+
+def test_a_wrong_user_replacement_is_the_site_left_unfused():
+    import seqcompile
+
+    seqcompile.register_pattern(
+        "tanh_gelu",
+        lambda x: F.gelu(x, approximate="tanh"),
+        [torch.randn(4, 8)],
+        replacement_fn=lambda x: F.gelu(x, approximate="tanh") * 1.1,  # a wrong replacement
+    )
+    try:
+        x = torch.randn(3, 8) * 3
+        with collecting() as report, warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            out = seqfast(lambda x: F.gelu(x, approximate="tanh") * 2, verify=True)(x)
+    finally:
+        seqcompile.unregister_pattern("tanh_gelu")
+    torch.testing.assert_close(out, F.gelu(x, approximate="tanh") * 2)
+    (finding,) = report.verified
+    assert [site.split(":")[0] for site in finding.left_unfused] == ["tanh_gelu"]
+    assert report.counts["tanh_gelu"] == 0
+
+
+def test_a_difference_that_does_not_repeat_blames_no_site():
+    """Bisection first checks that fusing every candidate differs; here nothing differs."""
+    compiled = torch.compile(lambda x: x * 2, backend="seqfast")
+    sites = {"pointwise:a": "", "pointwise:b": ""}
+    culprit = verify._first_failing_site(
+        lambda x: x * 2, lambda only: (compiled, sites), [torch.ones(3)], list(sites), []
+    )
+    assert culprit is None

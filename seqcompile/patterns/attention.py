@@ -27,6 +27,7 @@ from seqcompile.fx_utils import (
     RESHAPES,
     arg,
     barrier_between,
+    describe,
     erase_unused,
     insert_getitem,
     is_call,
@@ -67,12 +68,12 @@ class Site:
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
-    batch: tuple | None = None
-    """The softmax's batch dimensions, where a reshape between the products and the softmax
-    gives them another shape than q, k and v have: the fused op runs on q, k, v reshaped to them."""
-    frames: dict[Node, tuple] = dataclasses.field(default_factory=dict)
-    """Biases and masks applied to the scores before such a reshape, with the batch dimensions of
-    the scores there."""
+    batch_of: Node | None = None
+    """Where a reshape between the products and the softmax gives the batch dimensions another
+    shape, the softmax: the fused op runs in its batch dimensions, on q, k, v reshaped to them."""
+    frames: dict[Node, Node] = dataclasses.field(default_factory=dict)
+    """Biases and masks applied to the scores where their batch dimensions are others than the
+    softmax's, with the scores there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 Link = tuple
 """One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node, sign),
 ("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",), or
-("batch", dims) for a reshape of the batch dimensions, `dims` being those of its input."""
+("batch", scores) for a reshape of the batch dimensions of `scores`."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
@@ -149,7 +150,7 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     if is_call(node, *CASTS):
         return ("cast",), [node.args[0]]
     if _batch_reshape(node):
-        return ("batch", tuple(tensor_val(node.args[0]).shape[:-2])), [node.args[0]]
+        return ("batch", node.args[0]), [node.args[0]]
     factor = _scale_factor(node)
     if factor is not None and factor[1] != 0:
         return ("scale", factor[1]), [factor[0]]
@@ -181,7 +182,7 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
         return node
     step = _link(node)
     if step is None:
-        operands = ", ".join(_describe(a) for a in node.args) if isinstance(node, Node) else ""
+        operands = ", ".join(describe(a) for a in node.args) if isinstance(node, Node) else ""
         what = f"{node.target}({operands})" if isinstance(node, Node) else repr(node)
         return Reject("the scores pass through {}, which the kernel does not apply", what)
     if isinstance(step, Reject):
@@ -204,14 +205,6 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
     links.append(link)
     nodes.append(node)
     return _walk_scores(operands[0], links, nodes)
-
-
-def _describe(value: object) -> str:
-    """An operand for a refusal: a tensor's dtype and shape, or the value."""
-    t = tensor_val(value)
-    if t is not None:
-        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-    return repr(value)
 
 
 def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
@@ -283,9 +276,6 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     q, q_scale = _operand_scale(qk.args[0])
     k_t, k_scale = _operand_scale(qk.args[1])
     site = Site(out=pv, q=q, k=k_t, v=pv.args[1], scale=q_scale * k_scale, p=p)
-    batch = tuple(tensor_val(softmax).shape[:-2])
-    if any(tuple(tensor_val(n).shape[:-2]) != batch for n in (qk, pv)):
-        site.batch = batch
     if _is_last_two_swap(k_t) and len(k_t.users) == 1:
         site.k, k_scale_inner = _operand_scale(k_t.args[0])
         site.scale *= k_scale_inner
@@ -293,22 +283,35 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     else:
         site.k_transposed = True
     site.nodes += [qk, *score_nodes, *prob_nodes]
-    return _apply_links(site, links, tensor_val(qk), batch)
+    applied = _apply_links(site, links, tensor_val(qk), softmax)
+    if isinstance(applied, Site) and (
+        applied.frames or any(not _same_batch(n, softmax) for n in (qk, pv))
+    ):
+        applied.batch_of = softmax
+    return applied
+
+
+def _same_batch(a: Node, b: Node) -> bool:
+    """Provably the same batch dimensions (all but the last two)."""
+    x, y = tensor_val(a).shape[:-2], tensor_val(b).shape[:-2]
+    return len(x) == len(y) and all(
+        statically_known_true(i == j) for i, j in zip(x, y, strict=True)
+    )
 
 
 def _apply_links(
-    site: Site, links: list[Link], scores: torch.Tensor, batch: tuple
+    site: Site, links: list[Link], scores: torch.Tensor, softmax: Node
 ) -> Site | Reject:
     """Fold the links (latest first, from the softmax up) into the site's scale, biases and
     masks: a scale after a bias or a fill scales that bias or value too. The kernel adds the bias
     before it fills, so a finite fill must not come before a bias add."""
     factor_after = 1.0
     values, causal_fills, bias_seen = set(), set(), False
-    frame = site.batch
+    frame = softmax
     for link in links:
         if link[0] == "batch":
             frame = link[1]
-        elif link[0] in ("bias", "mask") and frame != site.batch:
+        elif link[0] in ("bias", "mask") and not _same_batch(frame, softmax):
             site.frames[link[1]] = frame
         if link[0] == "scale":
             factor_after *= link[1]
@@ -350,12 +353,17 @@ def _check(site: Site) -> Reject | None:
         if k.dim() < 2:
             return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
-    if site.batch is not None:
-        if not all(_same_count(t.shape[:-2], site.batch) for t in (q, k, v)):
+    if site.batch_of is not None:
+        batch = tuple(tensor_val(site.batch_of).shape[:-2])
+        if not all(_same_count(t.shape[:-2], batch) for t in (q, k, v)):
             return Reject(
-                "the scores' batch dimensions are reshaped to {} but q, k, v broadcast", site.batch
+                "the scores' batch dimensions are reshaped to {}, and q, k, v's cannot be shown to"
+                " hold as many",
+                batch,
             )
-        q, k, v = (t.reshape(*site.batch, *t.shape[-2:]) for t in (q, k, v))
+        if not _same_batch(site.v, site.out):
+            return Reject("the values broadcast over the probabilities' batch dimensions")
+        q, k, v = (t.reshape(*batch, *t.shape[-2:]) for t in (q, k, v))
     for t in (q, k, v):
         if t.dtype not in attention_op.DTYPES:
             return Reject("dtype {} is not supported (float32, float16, bfloat16)", t.dtype)
@@ -376,7 +384,7 @@ def _check(site: Site) -> Reject | None:
     for node in [b for b, _ in site.biases] + [m for m, _ in site.keep]:
         shape = tensor_val(node).shape
         frame = site.frames.get(node)
-        where = scores if frame is None else (*frame, *scores[-2:])
+        where = scores if frame is None else (*tensor_val(frame).shape[:-2], *scores[-2:])
         if not broadcasts_to(shape, where):
             return Reject(
                 "mask or bias of shape {} does not broadcast to the scores {}", shape, scores
@@ -393,14 +401,22 @@ def _same_count(dims: tuple, other: tuple) -> bool:
     return statically_known_true(math.prod(dims) == math.prod(other))
 
 
-def _in_batch(ctx: FuseContext, node: Node, batch: tuple, frame: tuple | None = None) -> Node:
-    """`node` reshaped to the batch dimensions `batch`: from its own, or, for a bias or mask, from
-    `frame`, the scores' batch dimensions where it applies (over which it is expanded first)."""
+def _in_batch(ctx: FuseContext, node: Node, batch_of: Node, frame: Node | None = None) -> Node:
+    """`node` reshaped to the batch dimensions of `batch_of`: from its own, or, for a bias or
+    mask, from those of `frame`, the scores where it applies (over which it is expanded first)."""
     if frame is not None:
-        t = tensor_val(node)
-        rows = (1,) * max(0, 2 - t.dim()) + tuple(t.shape[-2:])
-        node = ctx.call(aten.expand.default, node, [*frame, *rows])
-    return ctx.call(aten.reshape.default, node, [*batch, *tensor_val(node).shape[-2:]])
+        rank = tensor_val(node).dim()
+        rows = [1] * max(0, 2 - rank) + ctx.sizes(node, range(max(0, rank - 2), rank))
+        node = ctx.call(aten.expand.default, node, [*ctx.sizes(frame, _batch_dims(frame)), *rows])
+    return ctx.call(
+        aten.reshape.default,
+        node,
+        [*ctx.sizes(batch_of, _batch_dims(batch_of)), *ctx.sizes(node, (-2, -1))],
+    )
+
+
+def _batch_dims(node: Node) -> range:
+    return range(tensor_val(node).dim() - 2)
 
 
 def _combined_bias(ctx: FuseContext, site: Site) -> Node | None:
@@ -410,7 +426,7 @@ def _combined_bias(ctx: FuseContext, site: Site) -> Node | None:
         if not tensor_val(bias).is_floating_point():  # a boolean mask added as 0 and 1
             bias = ctx.call(aten.to.dtype, bias, torch.float32)
         if frame is not None:
-            bias = _in_batch(ctx, bias, site.batch, frame)
+            bias = _in_batch(ctx, bias, site.batch_of, frame)
         if factor != 1.0:
             bias = ctx.call(aten.mul.Tensor, bias, factor)
         total = bias if total is None else ctx.call(aten.add.Tensor, total, bias)
@@ -422,7 +438,7 @@ def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
     total = None
     for mask, keeps in site.keep:
         if mask in site.frames:
-            mask = _in_batch(ctx, mask, site.batch, site.frames[mask])
+            mask = _in_batch(ctx, mask, site.batch_of, site.frames[mask])
         if not keeps:
             inverted = is_call(mask, aten.bitwise_not.default, aten.logical_not.default)
             mask = mask.args[0] if inverted else ctx.call(aten.logical_not.default, mask)
@@ -436,8 +452,8 @@ def _rewrite(site: Site, name: str) -> Rewrite:
         out_val = tensor_val(site.out)
         with graph.inserting_before(site.out):
             q, k, v = site.q, site.k, site.v
-            if site.batch is not None:
-                q, k, v = (_in_batch(ctx, n, site.batch) for n in (q, k, v))
+            if site.batch_of is not None:
+                q, k, v = (_in_batch(ctx, n, site.batch_of) for n in (q, k, v))
             k = ctx.call(aten.transpose.int, k, -2, -1) if site.k_transposed else k
             bias, mask = _combined_bias(ctx, site), _combined_mask(ctx, site)
             seed = ctx.seed(out_val.device) if site.p > 0 else None
@@ -449,8 +465,9 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 masked_value,
             )  # fmt: skip
             out = insert_getitem(graph, fused, 0)
-            if site.batch is not None:
-                out = ctx.call(aten.reshape.default, out, list(out_val.shape))
+            if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
+                sizes = ctx.sizes(site.v, _batch_dims(site.v)) + ctx.sizes(out, (-2, -1))
+                out = ctx.call(aten.reshape.default, out, sizes)
             if tensor_val(out).dtype != out_val.dtype:
                 out = ctx.call(aten.to.dtype, out, out_val.dtype)
         out = ctx.in_layout_of(out, out_val)

@@ -5,14 +5,21 @@ runs the patterns over a graph, applies rewrites, and records counts and refusal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen import KernelSpec, prepare_kernel
-from seqcompile.fx_utils import depends_on, in_layout_of, insert_call, site_name, source_meta
+from seqcompile.fx_utils import (
+    depends_on,
+    in_layout_of,
+    insert_call,
+    site_name,
+    source_meta,
+    tensor_val,
+)
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
@@ -65,6 +72,9 @@ class FuseContext:
     """Keys of the sites that may be fused (None: every site); `verify` narrows it."""
     sites: dict[str, str] = dataclasses.field(default_factory=dict)
     """Key ("family:anchor") of each site fused, in order, with its place in the source."""
+    captured: frozenset[str] = frozenset()
+    """Names of the nodes the graph had before this stage: the anchors that name a site the same
+    way in every compile of the graph, whichever other sites were fused."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
     _streams: int = 0
 
@@ -76,6 +86,15 @@ class FuseContext:
 
     def in_layout_of(self, value: Node, like: torch.Tensor) -> Node:
         return in_layout_of(self, value, like)
+
+    def sizes(self, node: Node, dims: Iterable[int]) -> list[int | Node]:
+        """`node`'s sizes along `dims` as arguments for a new node: an int where the size is
+        one, a `sym_size` node where it is symbolic."""
+        shape = tensor_val(node).shape
+        return [
+            shape[d] if isinstance(shape[d], int) else self.call(aten.sym_size.int, node, d)
+            for d in dims
+        ]
 
     def requires_grad(self, node: Node | None) -> bool:
         return self.training and node is not None and depends_on(node, self.grad_inputs)
@@ -100,6 +119,14 @@ class FuseContext:
         """A distinct random stream per dropout site, so sites sharing the seed differ."""
         self._streams += 1
         return self._streams
+
+    def __post_init__(self) -> None:
+        self.captured = frozenset(n.name for n in self.gm.graph.nodes)
+
+    def anchor(self, nodes: list[Node]) -> Node:
+        """The node that names a site made of `nodes` (in graph order): the last one the graph
+        had before this stage (nodes rewrites inserted are named by what else was fused)."""
+        return next((n for n in reversed(nodes) if n.name in self.captured), nodes[-1])
 
     def admits(self, family: str, anchor: Node) -> bool:
         """Whether the site anchored at `anchor` may be fused."""

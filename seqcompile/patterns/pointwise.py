@@ -245,17 +245,17 @@ def fuse_regions(ctx: FuseContext) -> None:
     fused: set[Node] = set()
     for region in chosen:
         parts = [p for p in _placeable_parts(region, node_order(graph)) if _worth_fusing(p)]
-        if not parts and ctx.admits(FAMILY, region[-1]):
+        if not parts and ctx.admits(_family(region), ctx.anchor(region)):
             ctx.report.missed.append(Missed(site_name(region[-1]), FAMILY, _EARLY_USE))
         for nodes in parts:
-            anchor = nodes[-1]
-            if not ctx.admits(FAMILY, anchor):
+            family, anchor = _family(nodes), ctx.anchor(nodes)
+            if not ctx.admits(family, anchor):
                 continue
             reason = _replace(ctx, nodes)
             if reason is not None:
-                ctx.report.missed.append(Missed(site_name(anchor), FAMILY, reason))
+                ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, reason))
             else:
-                ctx.fused(FAMILY, anchor)
+                ctx.fused(family, anchor)
                 fused.update(nodes)
     for node, (reason, neighbours) in borders.items():
         if neighbours & fused:
@@ -392,9 +392,13 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
     ctx.site = None
     for n in reversed(nodes):
         ctx.gm.graph.erase_node(n)
-    name = next((n.meta[USER_PATTERN] for n in nodes if USER_PATTERN in n.meta), FAMILY)
-    ctx.report.counts[name] += 1
+    ctx.report.counts[_family(nodes)] += 1
     return None
+
+
+def _family(nodes: list[Node]) -> str:
+    """The name a region counts under: the user pattern it holds a match of, or pointwise."""
+    return next((n.meta[USER_PATTERN] for n in nodes if USER_PATTERN in n.meta), FAMILY)
 
 
 def _is_folded_bias(node: Node, members: set[Node]) -> bool:

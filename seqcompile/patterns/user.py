@@ -21,8 +21,9 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from seqcompile.capture import trace_function
-from seqcompile.fx_utils import fake_values, same_shape, site_name
+from seqcompile.fx_utils import describe, fake_values, same_shape, site_name
 from seqcompile.normalize import normalize_graph
+from seqcompile.patterns.engine import FuseContext
 from seqcompile.patterns.pointwise import USER_PATTERN, unsupported_ops
 from seqcompile.report import CompileReport, Missed
 
@@ -96,23 +97,32 @@ def registered_patterns() -> list[UserPattern]:
     return list(_registry.values())
 
 
-def apply_user_patterns(
-    gm: GraphModule, fake_mode: Any, fake_inputs: list[Any], report: CompileReport
-) -> None:
+def apply_user_patterns(ctx: FuseContext, fake_inputs: list[Any]) -> None:
     """Apply every registered pattern: rewrite the matches of patterns with a replacement (fake
     values re-derived after a change), and mark the matches of pointwise ones for the region
     fuser, which counts them. Only matches that hold at their own inputs count (`_Sites`); the
-    others are refused in the report."""
+    others are refused in the report. A match the context does not admit is left alone."""
+    gm, fake_mode, report = ctx.gm, ctx.fake_mode, ctx.report
     replaced = 0
     for user in registered_patterns():
         sites = _Sites(user, gm, fake_mode, report)
         if user.replacement_fn is None:
             _mark_matches(gm, user, sites)
             continue
+
+        def admitted(match: InternalMatch, *graphs: Graph, name: str = user.name) -> bool:
+            return ctx.admits(name, _anchor(match))
+
+        def accepted(match: InternalMatch, *graphs: Graph, sites: _Sites = sites) -> bool:
+            if not sites.accepts(match):
+                return False
+            ctx.fused(sites.user.name, _anchor(match))
+            return True
+
         matches = replace_pattern_with_filters(
             gm,
             user.pattern,
-            match_filters=[sites.accepts],
+            match_filters=[admitted, accepted],
             replacement_callback=sites.replacement,
         )
         if matches:
@@ -123,6 +133,11 @@ def apply_user_patterns(
         gm.recompile()
         with fake_mode:
             FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fake_inputs)
+
+
+def _anchor(match: InternalMatch) -> Node:
+    """The node that names a match as a site: its last output."""
+    return match.returning_nodes[-1]
 
 
 def _mark_matches(gm: GraphModule, user: UserPattern, sites: _Sites) -> None:
@@ -263,13 +278,7 @@ def _same_kind(a: Any, b: Any) -> bool:
 
 
 def _describe(values: list[Any]) -> str:
-    """Values as a report shows them: `float32[3, 64]` for a tensor."""
-    return ", ".join(
-        f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-        if isinstance(v, torch.Tensor)
-        else repr(v)
-        for v in values
-    )
+    return ", ".join(describe(v) for v in values)
 
 
 def _signature(value: Any) -> str:

@@ -61,7 +61,13 @@ def distilbert(dropout):
     return transformers.DistilBertModel, config, 2 * LAYERS + 1, 2 * LAYERS, LAYERS
 
 
-MODELS = [opt_pre_ln, opt_pre_ln_no_final_norm_no_bias, opt_350m_post_ln, distilbert]
+MODELS = [
+    # the real-model tier runs OPT's default layout and DistilBERT in the default run already
+    pytest.param(opt_pre_ln, marks=pytest.mark.slow),
+    opt_pre_ln_no_final_norm_no_bias,
+    opt_350m_post_ln,
+    pytest.param(distilbert, marks=pytest.mark.slow),
+]
 
 
 def batch() -> dict[str, torch.Tensor]:

@@ -499,3 +499,42 @@ def test_a_boolean_mask_added_to_the_scores_adds_ones_and_zeros():
         return F.softmax(q @ k.transpose(-1, -2) * D**-0.5 + keep, dim=-1) @ v
 
     fused(fn, [*qkv(), padding()])
+
+
+def test_a_mask_added_where_the_heads_are_split_out_between_two_flattened_views():
+    """The products and the softmax both see flattened heads; only the mask sees (B, H)."""
+    mask = torch.randn(B, 1, LQ, LK)
+
+    def fn(q, k, v, mask):
+        qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
+        scores = torch.bmm(qf, kf.transpose(1, 2)) * D**-0.5
+        scores = (scores.view(B, H, LQ, LK) + mask).view(B * H, LQ, LK)
+        return torch.bmm(F.softmax(scores, dim=-1), vf)
+
+    fused(fn, [*qkv(), mask])
+
+
+def test_heads_split_for_the_mask_at_symbolic_sizes(recwarn):
+    """With dynamic shapes the reshapes' sizes are graph values (no raw symbolic sizes passed as
+    arguments), and one compile serves several batch and sequence sizes."""
+
+    def fn(x, alibi, mask):
+        b, length, _ = x.shape
+        heads = x.view(b, length, H, 3, D).permute(0, 2, 3, 1, 4).reshape(b * H, 3, length, D)
+        q, k, v = heads.unbind(1)
+        scores = alibi.view(b * H, 1, length).baddbmm(q, k.transpose(1, 2), alpha=D**-0.5)
+        scores = scores.view(b, H, length, length).masked_fill(mask, -1e9)
+        probs = F.softmax(scores, dim=-1)
+        return torch.bmm(probs.view(b * H, length, length), v).view(b, H, length, D)
+
+    compiled = torch.compile(fn, backend="seqfast", dynamic=True)
+    for batch, length in [(2, 5), (3, 7)]:
+        g = torch.Generator().manual_seed(batch)
+        x = torch.randn(batch, length, 3 * H * D, generator=g, requires_grad=True)
+        alibi, mask = torch.randn(batch, H, length), torch.rand(batch, 1, length, length) > 0.7
+        with collecting() as report:
+            out = compiled(x, alibi, mask)
+        torch.testing.assert_close(out, fn(x, alibi, mask))
+        if batch == 2:
+            assert report.counts["attention"] == 1, str(report)
+    assert not [w for w in recwarn if "SymInt" in str(w.message)]
