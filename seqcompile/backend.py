@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -343,7 +344,10 @@ def seqfast(
         _configure_log(opts.log)
     if opts.disable:
         return gm.forward
-    compiled, state = _compile(gm, example_inputs, opts)
+    try:
+        compiled, state = _compile(gm, example_inputs, opts)
+    except capture_mod.Uncompilable as reason:
+        return _as_captured(gm, str(reason))
     if opts.verify:
         compiled = _verify(gm, opts, compiled, state)
     _release(state)
@@ -352,6 +356,16 @@ def seqfast(
     publish(state.report)
     log.info("%s compiled:\n%s", state.name, state.report)
     return compiled
+
+
+def _as_captured(gm: GraphModule, reason: str) -> Callable[..., Any]:
+    """Run the graph as Dynamo captured it, saying why in a warning and the report."""
+    name = f"graph_{next(_graph_ids)}"
+    warnings.warn(f"seqfast: {name} runs as captured, nothing fused: {reason}", stacklevel=2)
+    report = CompileReport(graphs=[name])
+    report.missed.append(Missed(name, "graph", f"runs as captured, nothing fused: {reason}"))
+    publish(report)
+    return gm.forward
 
 
 def _compile(

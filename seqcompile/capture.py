@@ -34,6 +34,10 @@ from seqcompile.fx_utils import site_name
 from seqcompile.report import Missed
 
 
+class Uncompilable(Exception):
+    """The graph holds something seqfast cannot keep correct; it runs as Dynamo captured it."""
+
+
 def fake_inputs(example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list[Any]]:
     """Dynamo's fake mode and the example inputs converted into it (symbolic sizes reused)."""
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
@@ -95,6 +99,12 @@ class _CaptureInterpreter(torch.fx.Interpreter):
         if target is DATA:
             return args[0].detach()  # traced, not a constant baked from the traced value
         if target is AUTOGRAD_FUNCTION:
+            if kwargs.get("dirty_idx"):
+                raise Uncompilable(
+                    f"{site_name(self.node)}: a custom autograd.Function modifies its inputs in"
+                    " place (ctx.mark_dirty); kept as one node, later readers of those inputs"
+                    " would not see the change"
+                )
             self.notes.append(
                 Missed(
                     site_name(self.node),

@@ -71,12 +71,14 @@ def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
     name = target._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_") or not target._schema.arguments:
+    if not name.endswith("_") or name.startswith("_") or name in _KEPT_IN_PLACE:
         return None
     functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
     value = node.args[0] if node.args else None
-    if functional is None or not _fresh(value) or not grad_enabled_at(node):
-        return None  # (under no_grad the in-place op keeps the value's history; a copy would not)
+    if functional is None or not _fresh(value):
+        return None
+    if not grad_enabled_at(node) and _turns_grad_on(node.graph):
+        return None  # under no_grad the in-place op keeps the value's history; a copy would not
     if any(_aliases(u) for u in value.users if u is not node):
         return None
     result = ctx.call(functional, *node.args, **node.kwargs)
@@ -92,6 +94,20 @@ def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
         if reader is not node and order[reader] > order[node]:
             reader.replace_input_with(value, result)
     return result
+
+
+_KEPT_IN_PLACE = frozenset({"copy_"})
+"""In-place ops whose out-of-place form autograd cannot differentiate (`aten.copy`)."""
+
+
+def _turns_grad_on(graph: Any) -> bool:
+    """Whether any value of the graph is made with grad mode on (a graph compiled under no_grad
+    that never enables it has no history to keep)."""
+    enables = any(
+        n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args[0]
+        for n in graph.nodes
+    )
+    return torch.is_grad_enabled() or enables
 
 
 def _fresh(node: Any) -> bool:

@@ -1,5 +1,6 @@
 """Capture keeps the ops patterns match whole, carries source locations, keeps symbolic sizes."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -110,3 +111,38 @@ def test_data_of_an_input_is_read_when_the_graph_runs_and_carries_no_gradient():
     torch.testing.assert_close(out, fn(x, w))
     out.sum().backward()
     torch.testing.assert_close(w.grad, x.t() @ torch.ones(3, 2))
+
+
+class _DoubledInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        a.mul_(2)
+        ctx.mark_dirty(a)
+        return a
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_custom_function_that_modifies_its_input_runs_the_graph_as_captured():
+    """Kept as one node, its change to `h` would be invisible to `h`'s later readers: the graph
+    runs as Dynamo captured it, with a warning and a line in the report."""
+    from seqcompile.report import collecting
+
+    def fn(x, w):
+        h = x * w
+        _DoubledInPlace.apply(h)
+        return h.sin()
+
+    x = torch.randn(4)
+    w = torch.randn(4, requires_grad=True)
+    w_eager = w.detach().clone().requires_grad_()
+    with collecting() as report, pytest.warns(UserWarning, match="ctx.mark_dirty"):
+        out = torch.compile(fn, backend="seqfast")(x, w)
+    expected = fn(x, w_eager)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)
+    assert any("runs as captured" in m.reason for m in report.missed)

@@ -206,3 +206,18 @@ def test_a_rule_whose_result_is_laid_out_otherwise_keeps_the_layout():
     out = torch.compile(fn, backend="seqfast")(p, v)
     assert out.stride() == fn(p, v).stride()
     torch.testing.assert_close(out, fn(p, v))
+
+
+def test_a_copy_into_a_value_stays_in_place_and_differentiates():
+    """`aten.copy`, the out-of-place form of `copy_`, has no derivative."""
+
+    def fn(x, w):
+        h = x * w + 1
+        h.copy_(w.expand(4, 8))
+        return (h * w).sin()
+
+    x, w = torch.randn(4, 8), torch.randn(8, requires_grad=True)
+    w_eager = w.detach().clone().requires_grad_()
+    torch.compile(fn, backend="seqfast")(x, w).sum().backward()
+    fn(x, w_eager).sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)

@@ -538,3 +538,21 @@ def test_heads_split_for_the_mask_at_symbolic_sizes(recwarn):
         if batch == 2:
             assert report.counts["attention"] == 1, str(report)
     assert not [w for w in recwarn if "SymInt" in str(w.message)]
+
+
+def test_scores_scaled_and_masked_in_place_fuse_in_a_graph_compiled_under_no_grad():
+    """With grad off throughout, no value has a history an in-place op must keep: the in-place
+    scale and fill become plain math, as they do with grad on."""
+    causal = torch.ones(LQ, LK, dtype=torch.bool).triu(1)
+
+    def fn(q, k, v, masked):
+        scores = q @ k.transpose(-1, -2)
+        scores.mul_(D**-0.5)
+        scores.masked_fill_(masked, float("-inf"))
+        return scores.softmax(-1) @ v
+
+    q, k, v = (t.detach() for t in qkv())
+    with torch.no_grad(), collecting() as report:
+        out = torch.compile(fn, backend="seqfast")(q, k, v, causal)
+    assert report.counts["attention"] == 1, str(report)
+    torch.testing.assert_close(out, fn(q.clone(), k, v, causal))
