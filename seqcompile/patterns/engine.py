@@ -72,7 +72,7 @@ class FuseContext:
     """Keys of the sites that may be fused (None: every site); `verify` narrows it."""
     sites: dict[str, str] = dataclasses.field(default_factory=dict)
     """Key ("family:anchor") of each site fused, in order, with its place in the source."""
-    captured: frozenset[str] = frozenset()
+    captured: frozenset[str] = dataclasses.field(init=False)
     """Names of the nodes the graph had before this stage: the anchors that name a site the same
     way in every compile of the graph, whichever other sites were fused."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
