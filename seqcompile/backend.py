@@ -30,20 +30,15 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile import structure, verify
-from seqcompile.codegen import prepare_kernel
-from seqcompile.memory import accumulate, budget
-from seqcompile.memory.cost import node_cost, roofline_for, total_cost
-from seqcompile.memory.in_place import write_over_saved
-from seqcompile.memory.liveness import step_memory
-from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
+from seqcompile.memory import accumulate
+from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
 from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
-from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
-from seqcompile.report import CompileReport, MemoryPlan, Missed, publish
+from seqcompile.report import CompileReport, Missed, publish
 
 log = logging.getLogger("seqcompile")
 _graph_ids = itertools.count()
@@ -96,7 +91,7 @@ class GraphCompile:
             kernels = self.dump_dir / "kernels"
             kernels.mkdir(exist_ok=True)
             for kernel in self.report.kernels:
-                (kernels / kernel.path.name).write_text(kernel.source)
+                (kernels / kernel.path.name).write_text(kernel.source.source)
             (self.dump_dir / "report.txt").write_text(str(self.report))
 
 
@@ -171,52 +166,26 @@ def plan_memory(
     num_fwd_outputs: int,
     **kwargs: Any,
 ) -> tuple[GraphModule, GraphModule]:
-    """Stage 5: split the joint graph; fold gradient sums into region backwards; let backward ops
-    write over saved tensors only they read; record what the forward keeps for the backward."""
-    joint = _checked_joint_passes("differentiate", joint, state)
-    joint_forward = {n.name for n in budget.forward_nodes(joint)}
-    options = state.options
-    plan = None
-    roofline = roofline_for(_device(state))
-    if options.checkpoint == "auto" and not options.memory_budget.unlimited:
-        plan = budget.plan_recompute(joint, num_fwd_outputs, options.memory_budget, roofline)
-        if not plan.reachable:
-            log.warning(
-                "%s: memory budget %s (%d bytes) is not reachable; the plan keeps %d bytes",
-                state.name,
-                plan.budget,
-                plan.target_bytes,
-                plan.planned_bytes,
-            )
-    state.dump("differentiate_joint", joint)
-    strategy = choose_partitioner(options.partition, options.checkpoint, state.rest)
-    with torch_budget(joint, options):
-        forward, backward = partition(
-            joint, joint_inputs, strategy=strategy, num_fwd_outputs=num_fwd_outputs, **kwargs
-        )
-    given = [structure.signature(g, paths=False) for g in (forward, backward)]
-    redone = budget.recomputed_in(backward, joint_forward)
-    for spec in fold_gradient_sums(backward):
-        state.report.add_kernel(prepare_kernel(spec, f"a folded gradient sum in {state.name}"))
-    written_over = (
-        write_over_saved(forward, backward, num_fwd_outputs) if state.options.reuse_saved else 0
-    )
-    if options.accumulate_grads:
-        positions = _parameter_positions(state)
-        accumulate.check_parameters([state.example_inputs[i] for i in positions])
-        state.accumulation = accumulate.accumulate_into_grads(backward, positions)
-    state.dump("plan_memory_forward", forward)
-    state.dump("plan_memory_backward", backward)
-    for graph, signature in zip((forward, backward), given, strict=True):
-        structure.check("plan_memory", graph, signature)
-    step = step_memory(forward, backward, num_fwd_outputs, _parameters(state), redone)
-    step_seconds = sum(
-        node_cost(n).seconds(roofline) for gm in (forward, backward) for n in gm.graph.nodes
-    )
-    state.report.memory.append(
-        MemoryPlan(state.name, strategy, step, written_over, plan, total_cost(redone), step_seconds)
-    )
-    return forward, backward
+    """Stage 5: the joint graph becomes the forward and backward graphs through `PASSES` (see
+    `memory/passes.py`), each dumped with its notes."""
+    plan = Plan(joint, joint_inputs, num_fwd_outputs, kwargs)
+    for name, run in PASSES:
+        notes = run(plan, state)
+        if state.dump_dir is not None:
+            state.dump(f"plan_memory_{name}", _pass_text(name, notes, plan.graphs))
+    state.report.variants += [f"{state.name}: {variant}" for variant in plan.variants]
+    return plan.forward, plan.backward
+
+
+def _pass_text(name: str, notes: list[str], graphs: list[GraphModule]) -> str:
+    """A pass's dump file: its notes as comments, then its graphs (the joint graph, or the
+    forward and the backward)."""
+    header = [f"# stage 5, pass {name!r}"] + [f"# {note}" for note in notes]
+    texts = [
+        g.print_readable(print_output=False, include_stride=True, include_device=True)
+        for g in graphs
+    ]
+    return "\n".join(header) + "\n\n" + "\n\n".join(texts)
 
 
 def lower(
@@ -225,7 +194,8 @@ def lower(
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
     rest runs on the chosen executor."""
     if kind == "inference":
-        gm = _checked_joint_passes("lower", gm, state)
+        gm = checked_joint_passes("lower", gm, state)
+        list_kernels(gm, "inference", state)
     state.dump(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
@@ -257,19 +227,6 @@ def _with_accumulation(run: Callable[..., Any], state: GraphCompile, kind: str) 
     return forward
 
 
-def _parameter_positions(state: GraphCompile) -> list[int]:
-    return [i for i, t in enumerate(state.example_inputs) if isinstance(t, torch.nn.Parameter)]
-
-
-def _parameters(state: GraphCompile) -> set[str]:
-    """Names AOTAutograd gives the placeholders whose example inputs are parameters."""
-    return {f"primals_{i + 1}" for i in _parameter_positions(state)}
-
-
-def _device(state: GraphCompile) -> torch.device | None:
-    return next((t.device for t in state.example_inputs if isinstance(t, torch.Tensor)), None)
-
-
 def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
     """`gm` called the boxed way AOTAutograd prefers: it takes the list of inputs and empties it,
     so each input (a saved activation, in a backward) is freed after its last use rather than at
@@ -282,27 +239,6 @@ def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
-
-
-def _checked_joint_passes(stage: str, gm: GraphModule, state: GraphCompile) -> GraphModule:
-    """The executor's joint passes on AOTAutograd's graph, with the structural check after."""
-    given = structure.signature(gm, paths=False)
-    gm = _executor_joint_passes(gm, state)
-    structure.check(stage, gm, given)
-    return gm
-
-
-def _executor_joint_passes(gm: GraphModule, state: GraphCompile) -> GraphModule:
-    """Inductor lowers a forward or backward graph only after its passes over the joint graph
-    (random ops, for one, become its own seeded ops); they run here, where Inductor's own
-    partitioner would run them."""
-    if state.rest != "inductor":
-        return gm
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-    from torch._inductor.virtualized import V
-
-    with V.set_fake_mode(state.fake_mode):
-        return joint_graph_passes(gm) or gm
 
 
 STAGES = (capture, normalize, fuse)

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from seqcompile.codegen import KernelSource
+from seqcompile.codegen import KernelSource, KernelSpec
 
 if TYPE_CHECKING:
     from seqcompile.memory.budget import RecomputePlan
@@ -26,6 +26,40 @@ class Missed:
     site: str
     pattern: str
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelUse:
+    """A generated kernel that a compiled graph launches, and where: the fused op's node in the
+    forward, backward or inference graph and the source line it was made for."""
+
+    source: KernelSource
+    spec: KernelSpec
+    graph: str
+    direction: str
+    """"forward", "backward" or "inference"."""
+    op: str
+    """The fused operator's registry name (`add_norm`, or a user pattern's name)."""
+    node: str
+    """The fused op's node in the lowered graph."""
+    site: str
+    """Module path and source line of the code the fused op replaced."""
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def template(self) -> str:
+        return self.source.template
+
+    @property
+    def key(self) -> tuple:
+        return self.source.key
+
+    @property
+    def path(self):
+        return self.source.path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +91,9 @@ class CompileReport:
     graphs: list[str] = dataclasses.field(default_factory=list)
     verified: list[Finding] = dataclasses.field(default_factory=list)
     """What the `verify` option found, per graph (empty without it)."""
+    variants: list[str] = dataclasses.field(default_factory=list)
+    """Fused ops whose backward stage 5 changed to another variant (an in-place twin, a
+    region backward adding its gradient terms), as "graph: node: variant"."""
 
     def add_kernel(self, kernel: KernelSource) -> None:
         if kernel not in self.kernels:
@@ -70,6 +107,7 @@ class CompileReport:
         self.memory.extend(other.memory)
         self.graphs.extend(other.graphs)
         self.verified.extend(other.verified)
+        self.variants.extend(other.variants)
 
     def __str__(self) -> str:
         lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
@@ -80,8 +118,10 @@ class CompileReport:
             lines.append("  (none)")
         lines += ["", "recognized but not fused:"]
         lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
-        lines += ["", "generated kernels:"]
-        lines += [f"  {k.name}  ({k.path})" for k in self.kernels] or ["  (none)"]
+        lines += ["", "generated kernels (those the compiled graphs launch):"]
+        lines += _kernel_lines(self.kernels) or ["  (none)"]
+        if self.variants:
+            lines += ["", "backward variants:"] + [f"  {v}" for v in self.variants]
         lines += ["", "memory of the step (at traced sizes):"]
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
             "  (no training graph)"
@@ -90,6 +130,18 @@ class CompileReport:
             lines += ["", "verify (compiled graph against eager):"]
             lines += [str(finding) for finding in self.verified]
         return "\n".join(lines) + "\n"
+
+
+def _kernel_lines(uses: list[KernelUse]) -> list[str]:
+    """Each kernel with its file, then the fused-op calls that launch it."""
+    by_kernel: dict[KernelSource, list[KernelUse]] = {}
+    for use in uses:
+        by_kernel.setdefault(use.source, []).append(use)
+    lines = []
+    for source, launches in by_kernel.items():
+        lines.append(f"  {source.name}  ({source.path})")
+        lines += [f"    {u.graph} {u.direction}: {u.op} {u.node} at {u.site}" for u in launches]
+    return lines
 
 
 def _memory_lines(m: MemoryPlan) -> list[str]:

@@ -49,8 +49,7 @@ def body_digest(body: str) -> str:
 def write_source(stem: str, header: str, body: str) -> Path:
     """Write `header + body` to `<cache>/<stem>.py` unless that file exists already.
 
-    `stem` must already carry the body's digest, so an existing file holds the same kernel; its
-    header keeps the provenance of whichever compile wrote it first.
+    `stem` must already carry the body's digest, so an existing file holds the same kernel.
     """
     path = cache_dir() / f"{stem}.py"
     if not path.exists():

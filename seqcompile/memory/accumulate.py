@@ -4,8 +4,9 @@ it, so a micro-batch allocates no weight-sized gradient and runs no separate acc
 
 The backward graph gets one placeholder per parameter, its `.grad`; the callable that runs the
 backward passes them in (creating zero `.grad`s on the first micro-batch). Where a gradient comes
-from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into `.grad`, the fused
-linear + cross-entropy's finished weight gradient is scaled into it, an embedding's backward
+from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into `.grad`, a fused
+op's backward output goes through the op's accumulation hook in the registry (the linear +
+cross-entropy scales its finished weight gradient into it), an embedding's backward
 scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any other
 gradient (biases, norm weights) is computed and then added in place.
 """
@@ -21,44 +22,13 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
+import seqcompile.ops.accumulate  # noqa: F401  (registers the seqfast::accumulate* ops)
 from seqcompile.fx_utils import is_call, val
 from seqcompile.memory.estimate import graph_outputs
+from seqcompile.ops import registry
 
 aten = torch.ops.aten
 seqfast = torch.ops.seqfast
-
-
-@torch.library.custom_op("seqfast::accumulate_matmul_", mutates_args=("grad",))
-def accumulate_matmul_(grad: Tensor, a: Tensor, b: Tensor) -> None:
-    """grad += a @ b, in the matmul's epilogue."""
-    grad.addmm_(a, b)
-
-
-@torch.library.custom_op("seqfast::accumulate_scaled_", mutates_args=("grad",))
-def accumulate_scaled_(grad: Tensor, update: Tensor, scale: Tensor) -> None:
-    """grad += update * scale (a 0-d scale), with no temporary."""
-    grad.addcmul_(update, scale.to(update.dtype))
-
-
-@torch.library.custom_op("seqfast::accumulate_rows_", mutates_args=("grad",))
-def accumulate_rows_(grad: Tensor, rows: Tensor, indices: Tensor, padding_idx: int) -> None:
-    """grad[indices] += rows, as an embedding's backward would build them (padding left out)."""
-    rows = rows.reshape(-1, grad.shape[-1])
-    indices = indices.reshape(-1)
-    if padding_idx >= 0:
-        keep = indices != padding_idx
-        rows, indices = rows[keep], indices[keep]
-    grad.index_put_((indices,), rows.to(grad.dtype), accumulate=True)
-
-
-@torch.library.custom_op("seqfast::accumulate_", mutates_args=("grad",))
-def accumulate_(grad: Tensor, update: Tensor) -> None:
-    """grad += update."""
-    grad.add_(update)
-
-
-for _op in (accumulate_matmul_, accumulate_scaled_, accumulate_rows_, accumulate_):
-    _op.register_fake(lambda grad, *args: None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,36 +80,16 @@ def _accumulate(graph: Any, buffer: Node, gradient: Node) -> None:
             a, b = (graph.call_function(aten.t.default, (x,)) for x in (b, a))
         graph.call_function(seqfast.accumulate_matmul_.default, (buffer, a, b))
         return
-    if (
-        gradient.target is operator.getitem
-        and is_call(gradient.args[0], seqfast.linear_cross_entropy_backward.default)
-        and gradient.args[1] in (1, 2)
-    ):
-        backward = gradient.args[0]
-        scale, *finished = backward.args
-        graph.call_function(
-            seqfast.accumulate_scaled_.default, (buffer, finished[gradient.args[1]], scale)
-        )
-        _scale_hidden_gradient_alone(graph, backward)
-        return
+    if gradient.target is operator.getitem:
+        entry = registry.entry_of(gradient.args[0])
+        if entry is not None and entry.accumulate is not None:
+            if entry.accumulate(graph, buffer, gradient.args[0], gradient.args[1]):
+                return
     if is_call(gradient, aten.embedding_dense_backward.default) and not gradient.args[4]:
         rows, indices, _, padding_idx, _ = gradient.args
         graph.call_function(seqfast.accumulate_rows_.default, (buffer, rows, indices, padding_idx))
         return
     graph.call_function(seqfast.accumulate_.default, (buffer, gradient))
-
-
-def _scale_hidden_gradient_alone(graph: Any, backward: Node) -> None:
-    """Take the hidden-state gradient out of the linear + cross-entropy's backward, so the op,
-    and the weight-sized product it would return, go once its weight gradient is accumulated."""
-    scale, finished_hidden = backward.args[:2]
-    for user in list(backward.users):
-        if user.target is operator.getitem and user.args[1] == 0:
-            with graph.inserting_before(user):
-                alone = graph.call_function(aten.mul.Tensor, (finished_hidden, scale))
-            alone.meta["val"] = val(user)
-            user.replace_all_uses_with(alone)
-            graph.erase_node(user)
 
 
 def _through_transposes(node: Node) -> tuple[Node, bool]:

@@ -15,10 +15,9 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-import seqcompile.ops.attention  # noqa: F401  (registers the ops whose FLOPs are listed here)
-import seqcompile.ops.linear_cross_entropy  # noqa: F401
 from seqcompile.fx_utils import concrete, fake_values, val
 from seqcompile.memory.estimate import tensor_bytes
+from seqcompile.ops import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,25 +54,6 @@ def roofline_for(device: torch.device | None) -> Roofline:
     return Roofline()
 
 
-def _attention_flops(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value) -> int:
-    rows = concrete(q.numel()) // concrete(q.shape[-1])
-    flops = 2 * rows * concrete(k.shape[-2]) * concrete(q.shape[-1] + v.shape[-1])
-    return flops // 2 if causal else flops
-
-
-def _linear_cross_entropy_flops(hidden, weight, *rest) -> int:
-    # logits, then the hidden-state and weight gradients, all in the forward
-    return 6 * concrete(hidden.numel()) * concrete(weight.shape[0])
-
-
-FUSED_FLOPS: dict[Any, Callable[..., int]] = {
-    torch.ops.seqfast.attention.default: _attention_flops,
-    torch.ops.seqfast.linear_cross_entropy.default: _linear_cross_entropy_flops,
-}
-"""A fused op -> its FLOPs from its arguments' fake values. Fused ops not listed are
-bandwidth-bound (norms, pointwise regions, the cross-entropy)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class NodeCost:
     flops: int
@@ -102,12 +82,15 @@ def node_cost(node: Node) -> NodeCost:
     args, kwargs = fake_values(node.args), fake_values(node.kwargs)
     moved = sum(_bytes(leaf) for leaf in tree_flatten((args, kwargs))[0])
     moved += sum(_bytes(leaf) for leaf in tree_flatten(val(node))[0])
+    fused = registry.flops_of(node)
+    if fused is not None:
+        return NodeCost(fused, moved)
     return NodeCost(_flops(target, args, kwargs, val(node)), moved)
 
 
 def _flops(target: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> int:
-    if target in FUSED_FLOPS:
-        return FUSED_FLOPS[target](*args, **kwargs)
+    """FLOPs by torch's formula for `target`; 0 for ops it has none for (bandwidth-bound ones,
+    fused ops whose registry entry gives no formula)."""
     formula = flop_registry.get(target.overloadpacket)
     if formula is None:
         return 0

@@ -1,4 +1,5 @@
-"""Backward ops that write their result over a saved tensor the backward reads nowhere else.
+"""Backward ops that write their result over a saved tensor the backward reads nowhere else (the
+registry entries' in-place twins).
 
 The cross-entropy backward's gradient has the logits' shape and dtype, and the logits are read by
 nothing after it: writing the gradient over them saves a tokens x vocabulary buffer at the step's
@@ -11,33 +12,29 @@ then turns a second backward through the same graph (`retain_graph=True`) into a
 
 from __future__ import annotations
 
-import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops below)
 from seqcompile.fx_utils import tensor_val
 from seqcompile.memory.estimate import graph_outputs, saved_values, tensor_bytes
-
-IN_PLACE = {
-    torch.ops.seqfast.cross_entropy_backward.default: (
-        torch.ops.seqfast.cross_entropy_backward_in_place.default,
-        1,
-    ),
-}
-"""A functional backward op -> (its twin writing over one argument, that argument's index)."""
+from seqcompile.ops import registry
+from seqcompile.ops.fused_op import Call
 
 
-def write_over_saved(forward: GraphModule, backward: GraphModule, num_fwd_outputs: int) -> int:
+def write_over_saved(
+    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int
+) -> dict[str, int]:
     """Swap in the in-place twin wherever its argument is a saved tensor only it may touch;
-    returns the bytes written over instead of allocated (at the traced sizes)."""
+    returns, per swapped call, the bytes it writes over instead of allocating (at the traced
+    sizes)."""
     private = _private_saved(forward, num_fwd_outputs)
-    swapped = 0
+    swapped: dict[str, int] = {}
     for node in list(backward.graph.nodes):
-        if node.op != "call_function" or node.target not in IN_PLACE:
+        entry = registry.entry_of(node)
+        if entry is None or entry.in_place is None or node.target is not entry.in_place.functional:
             continue
-        twin, index = IN_PLACE[node.target]
-        over = node.args[index]
+        call = Call.of(node)
+        over = call[entry.in_place.over]
         if not (
             isinstance(over, Node)
             and over.op == "placeholder"
@@ -47,12 +44,12 @@ def write_over_saved(forward: GraphModule, backward: GraphModule, num_fwd_output
         ):
             continue
         with backward.graph.inserting_before(node):
-            call = backward.graph.call_function(twin, node.args, node.kwargs)
-        call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        call.meta["val"] = None
+            twin = backward.graph.call_function(entry.in_place.twin, call.arguments())
+        twin.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        twin.meta["val"] = None
         node.replace_all_uses_with(over)
         backward.graph.erase_node(node)
-        swapped += tensor_bytes(tensor_val(over))
+        swapped[twin.name] = tensor_bytes(tensor_val(over))
     if swapped:
         backward.graph.lint()
         backward.recompile()

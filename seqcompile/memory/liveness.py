@@ -11,7 +11,7 @@ counted apart. A fused operator's workspace is live while it runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,15 +19,9 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from seqcompile.fx_utils import concrete, fake_values, val
+from seqcompile.fx_utils import concrete, val
 from seqcompile.memory.estimate import graph_outputs, is_fused_output, saved_values
-from seqcompile.ops import linear_cross_entropy
-
-WORKSPACES: dict[Any, Callable[..., int]] = {
-    torch.ops.seqfast.linear_cross_entropy.default: linear_cross_entropy.workspace_bytes,
-}
-"""A fused op -> the bytes it allocates and frees while it runs, from its arguments' fake
-values."""
+from seqcompile.ops import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +148,7 @@ def _walk(
         for key, size in storages(node):
             if key not in inputs:
                 live.setdefault(key, size)
-        running = sum(live.values()) + _workspace(node)
+        running = sum(live.values()) + registry.workspace_of(node)
         peak = max(peak, (running, node.name))
         for key in [k for k in live if last.get(k, -1) <= i and k not in held]:
             del live[key]
@@ -169,13 +163,6 @@ def storages(node: Any) -> Iterator[tuple[StorageWeakRef, int]]:
         if isinstance(leaf, torch.Tensor):
             storage = leaf.untyped_storage()
             yield StorageWeakRef(storage), concrete(storage.nbytes())
-
-
-def _workspace(node: Node) -> int:
-    measure = WORKSPACES.get(node.target) if node.op == "call_function" else None
-    if measure is None:
-        return 0
-    return measure(*fake_values(node.args))
 
 
 def combined_timeline(steps: Sequence[StepMemory]) -> Timeline:

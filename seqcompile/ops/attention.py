@@ -17,14 +17,18 @@ probabilities, and regenerates the dropout mask from the seed."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton
 
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
+from seqcompile.ops.fused_op import Call, FusedOp
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256
@@ -47,6 +51,33 @@ def backward_specs(
 
 
 DELTA = KernelSpec.of("attention_bwd_delta")
+
+
+def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
+    return dict(
+        bias=call["bias"] is not None,
+        mask=call["mask"] is not None,
+        dropout=call["p"] > 0,
+        causal=call["causal"],
+    )
+
+
+def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
+    """The kernel an `attention` call launches (`call`: its arguments by name)."""
+    return [forward_spec(**_flags(call))]
+
+
+def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
+    """The kernels an `attention_backward` call launches: the row deltas, dk and dv, dq."""
+    return backward_specs(bias_grad=call["bias_grad"], **_flags(call))
+
+
+def flops(call: Call) -> int:
+    """The two products of a forward call (half of them when causal)."""
+    q, k, v = (call.value(name) for name in "qkv")
+    rows = concrete(q.numel()) // concrete(q.shape[-1])
+    total = 2 * rows * concrete(k.shape[-2]) * concrete(q.shape[-1] + v.shape[-1])
+    return total // 2 if call["causal"] else total
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +217,7 @@ def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    spec = forward_spec(bias=bias is not None, mask=mask is not None, dropout=p > 0, causal=causal)
+    (spec,) = forward_kernels_of(dict(bias=bias, mask=mask, p=p, causal=causal))
     pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
@@ -270,8 +301,9 @@ def backward_kernels(
             grad_out, out, delta, b * h * lq,
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
         )  # fmt: skip
-        flags = dict(bias=bias is not None, mask=mask is not None, dropout=p > 0, causal=causal)
-        _delta, dkdv_spec, dq_spec = backward_specs(bias_grad=bias_grad, **flags)
+        _delta, dkdv_spec, dq_spec = backward_kernels_of(
+            dict(bias=bias, mask=mask, p=p, causal=causal, bias_grad=bias_grad)
+        )
         pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
@@ -316,3 +348,19 @@ def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+ENTRY = FusedOp(
+    name="attention",
+    family="attention",
+    forward=torch.ops.seqfast.attention.default,
+    backward=(torch.ops.seqfast.attention_backward.default,),
+    reference=reference.forward,
+    kernels={
+        torch.ops.seqfast.attention.default: forward_kernels_of,
+        torch.ops.seqfast.attention_backward.default: backward_kernels_of,
+    },
+    saves="q, k, v, the output and two per-row statistics (row max, log-sum), never the"
+    " probabilities; the dropout mask is regenerated from the seed",
+    flops=flops,
+)

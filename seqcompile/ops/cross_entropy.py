@@ -19,6 +19,7 @@ import triton
 
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.ops.fused_op import FusedOp, InPlace
 
 Tensor = torch.Tensor
 MAX_BLOCK_V = 4096
@@ -204,3 +205,23 @@ def _backward(ctx, grad_loss, _grad_lse):
 
 
 cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+ENTRY = FusedOp(
+    name="cross_entropy",
+    family="loss",
+    forward=torch.ops.seqfast.cross_entropy.default,
+    backward=(torch.ops.seqfast.cross_entropy_backward.default,),
+    reference=reference_rows,
+    kernels={
+        torch.ops.seqfast.cross_entropy.default: lambda call: [spec("forward")],
+        torch.ops.seqfast.cross_entropy_backward.default: lambda call: [spec("backward")],
+        torch.ops.seqfast.cross_entropy_backward_in_place.default: lambda call: [spec("backward")],
+    },
+    saves="the logits, the targets and each row's log-sum-exp, never the probabilities",
+    in_place=InPlace(
+        functional=torch.ops.seqfast.cross_entropy_backward.default,
+        twin=torch.ops.seqfast.cross_entropy_backward_in_place.default,
+        over="logits",
+    ),
+)

@@ -17,10 +17,15 @@ accumulation. Peak extra memory is one chunk of logits.
 
 from __future__ import annotations
 
-import torch
+import operator
 
+import torch
+from torch.fx import Graph, Node
+
+import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import cross_entropy as ce
+from seqcompile.ops.fused_op import Call, FusedOp
 
 Tensor = torch.Tensor
 
@@ -31,12 +36,12 @@ def default_chunk(rows: int) -> int:
     return chunk - chunk % 128 if chunk >= 128 else chunk
 
 
-def workspace_bytes(
-    hidden, weight, bias, target, ignore_index, smoothing, mean, chunk, compute_dtype, needs_grad
-) -> int:
-    """Bytes the op allocates and frees while it runs, beyond its outputs, at the traced sizes (for
+def workspace_bytes(call: Call) -> int:
+    """Bytes a call allocates and frees while it runs, beyond its outputs, at the traced sizes (for
     the memory model): copies of its inputs in `compute_dtype`, one chunk of logits and of
     `dlogits @ weight`, and the float32 weight and bias gradients before their cast."""
+    hidden, weight, bias = (call.value(name) for name in ("hidden", "weight", "bias"))
+    compute_dtype, chunk, needs_grad = call["compute_dtype"], call["chunk"], call["needs_grad"]
     m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
     size = torch.empty((), dtype=compute_dtype).element_size()
     step = min(chunk if chunk > 0 else default_chunk(m), m)
@@ -47,6 +52,12 @@ def workspace_bytes(
     bias_dtype = bias.dtype if bias is not None else torch.float32
     total += vocab * 4 if needs_grad[2] and bias_dtype != torch.float32 else 0
     return total
+
+
+def flops(call: Call) -> int:
+    """The logits, then the hidden-state and weight gradients, all in the forward."""
+    hidden, weight = call.value("hidden"), call.value("weight")
+    return 6 * concrete(hidden.numel()) * concrete(weight.shape[0])
 
 
 def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
@@ -157,3 +168,44 @@ def _backward(ctx, grad, *_unused):
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def accumulate(graph: Graph, buffer: Node, call: Node, output: int) -> bool:
+    """Scale the finished weight (output 1) or bias (output 2) gradient of the backward `call`
+    into `buffer`, and take the hidden-state gradient out of the op, so the op, and the
+    weight-sized product it would return, go once the parameter gradients are accumulated."""
+    if output not in (1, 2):
+        return False
+    backward = Call.of(call)
+    finished = backward["dweight"] if output == 1 else backward["dbias"]
+    graph.call_function(
+        torch.ops.seqfast.accumulate_scaled_.default, (buffer, finished, backward["grad"])
+    )
+    for user in list(call.users):
+        if user.target is operator.getitem and user.args[1] == 0:
+            with graph.inserting_before(user):
+                alone = graph.call_function(
+                    torch.ops.aten.mul.Tensor, (backward["dhidden"], backward["grad"])
+                )
+            alone.meta["val"] = user.meta.get("val")
+            user.replace_all_uses_with(alone)
+            graph.erase_node(user)
+    return True
+
+
+ENTRY = FusedOp(
+    name="linear_cross_entropy",
+    family="loss",
+    forward=torch.ops.seqfast.linear_cross_entropy.default,
+    backward=(torch.ops.seqfast.linear_cross_entropy_backward.default,),
+    reference=linear_cross_entropy,
+    kernels={
+        torch.ops.seqfast.linear_cross_entropy.default: lambda call: [ce.spec("forward_grad")],
+        torch.ops.seqfast.linear_cross_entropy_backward.default: lambda call: [],
+    },
+    saves="the finished gradients of the hidden states, the weight and the bias (the forward"
+    " computes them chunk by chunk), never the logits",
+    flops=flops,
+    workspace=workspace_bytes,
+    accumulate=accumulate,
+)

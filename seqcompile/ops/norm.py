@@ -14,12 +14,16 @@ statistics, and regenerates the dropout mask from the seed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import triton
 
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops import norm_reference as reference
+from seqcompile.ops.fused_op import FusedOp
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384
@@ -74,6 +78,30 @@ def backward_specs(
 
 
 COLUMN_SUM = KernelSpec.of("column_sum")
+
+
+def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
+    """The kernel an `add_norm` call launches (`call`: its arguments by name, as a graph node's
+    `Call` or the launcher's own), its flags read from the arguments."""
+    optional = ("residual", "branch_bias", "weight", "bias")
+    present = {name: call[name] is not None for name in optional}
+    return [forward_spec(dropout=call["p"] > 0, rms=call["rms"], **present)]
+
+
+def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
+    """The kernels an `add_norm_backward` call launches (the column sum only when a parameter
+    has a gradient)."""
+    residual_dtype = call["residual_dtype"]
+    return backward_specs(
+        sum_grad=call["grad_sum"] is not None,
+        residual_grad=residual_dtype is not None
+        and reference.needs_residual_grad(call["p"], call["x_dtype"], residual_dtype),
+        dropout=call["p"] > 0,
+        rms=call["rms"],
+        weight=call["weight"] is not None,
+        bias=call["bias_dtype"] is not None,
+        branch_bias=call["branch_bias_dtype"] is not None,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,14 +166,8 @@ def forward_kernels(
     mean = runtime.empty((0,) if rms else (m,), torch.float32, x.device)
     rstd = runtime.empty((m,), torch.float32, x.device)
     if m > 0:
-        spec = forward_spec(
-            residual=residual is not None,
-            branch_bias=branch_bias is not None,
-            dropout=p > 0,
-            rms=rms,
-            weight=weight is not None,
-            bias=bias is not None,
-        )
+        named = dict(residual=residual, branch_bias=branch_bias, weight=weight, bias=bias)
+        (spec,) = forward_kernels_of(dict(named, p=p, rms=rms))
         optional = (
             _rows(residual) if residual is not None else None,
             branch_bias.contiguous() if branch_bias is not None else None,
@@ -233,14 +255,17 @@ def backward_kernels(
     residual_grad = dres.numel() > 0
     programs = min(m, runtime.program_cap(saved))
     partial = runtime.empty((len(params), programs, n), torch.float32, saved.device)
-    specs = backward_specs(
-        sum_grad=grad_sum is not None,
-        residual_grad=residual_grad,
-        dropout=p > 0,
-        rms=rms,
-        weight=weight is not None,
-        bias=bias_dtype is not None,
-        branch_bias=branch_bias_dtype is not None,
+    specs = backward_kernels_of(
+        dict(
+            grad_sum=grad_sum,
+            p=p,
+            rms=rms,
+            weight=weight,
+            x_dtype=x_dtype,
+            residual_dtype=residual_dtype,
+            bias_dtype=bias_dtype,
+            branch_bias_dtype=branch_bias_dtype,
+        )  # fmt: skip
     )
     optional_inputs = (
         _rows(grad_sum) if grad_sum is not None else None,
@@ -326,3 +351,18 @@ def _backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
 
 
 add_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+ENTRY = FusedOp(
+    name="add_norm",
+    family="norm",
+    forward=torch.ops.seqfast.add_norm.default,
+    backward=(torch.ops.seqfast.add_norm_backward.default,),
+    reference=reference.forward,
+    kernels={
+        torch.ops.seqfast.add_norm.default: forward_kernels_of,
+        torch.ops.seqfast.add_norm_backward.default: backward_kernels_of,
+    },
+    saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
+    " mask is regenerated from the seed",
+)

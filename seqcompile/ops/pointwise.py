@@ -23,6 +23,7 @@ from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.random import keep_mask
 
 Tensor = torch.Tensor
@@ -142,6 +143,17 @@ def backward_specs(
     return [backward_spec(key, plan_key, layouts, len(sizes))[0]]
 
 
+def forward_kernels_of(call: Call) -> list[KernelSpec]:
+    """The kernel a `pointwise` call launches, at the traced sizes and strides."""
+    return compile_time_specs(regions.lookup(call["region"]), call.value("inputs"), None)
+
+
+def backward_kernels_of(call: Call) -> list[KernelSpec]:
+    """The kernel a `pointwise_backward` call launches (none when it computes nothing)."""
+    plan_key = (tuple(call["needs_grad"]), tuple(call["grad_terms"]), tuple(call["written"]))
+    return backward_specs(call["region"], plan_key, call.value("saved"), call.value("grads"))
+
+
 def _launch(
     spec_of, tensors: dict[str, Tensor], shape: torch.Size, outputs: dict[str, Tensor], extra: dict
 ) -> None:
@@ -227,6 +239,14 @@ def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: st
                 extra,
             )
         return list(outputs.values())
+    return reference(inputs, seed, stream, region)
+
+
+def reference(inputs: list[Tensor], seed: Tensor | None, stream: int, region: str) -> list[Tensor]:
+    """The region's traced forward, masks drawn from the seed as the kernel draws them."""
+    program = regions.lookup(region)
+    shape = _shape(inputs)
+    dtypes = regions.output_dtypes(program, [t.dtype for t in inputs])
     masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(program.dropout_p)]
     results = program.forward(*inputs, *masks)
     return [r.to(d).expand(shape).contiguous() for r, d in zip(results, dtypes, strict=True)]
@@ -370,3 +390,17 @@ def _computed_dtypes(plan, metas, shape) -> list[torch.dtype]:
 
 
 pointwise.register_autograd(_backward, setup_context=_setup_context)
+
+
+ENTRY = FusedOp(
+    name="pointwise",
+    family="pointwise",
+    forward=torch.ops.seqfast.pointwise.default,
+    backward=(torch.ops.seqfast.pointwise_backward.default,),
+    reference=reference,
+    kernels={
+        torch.ops.seqfast.pointwise.default: forward_kernels_of,
+        torch.ops.seqfast.pointwise_backward.default: backward_kernels_of,
+    },
+    saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
+)

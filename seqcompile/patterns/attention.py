@@ -473,22 +473,9 @@ def _rewrite(site: Site, name: str) -> Rewrite:
         out = ctx.in_layout_of(out, out_val)
         site.out.replace_all_uses_with(out)
         erase_unused([site.out, *site.nodes])
-        _prepare_kernels(ctx, site, bias, mask, name)
         return fused
 
     return apply
-
-
-def _prepare_kernels(
-    ctx: FuseContext, site: Site, bias: Node | None, mask: Node | None, name: str
-) -> None:
-    flags = dict(
-        bias=bias is not None, mask=mask is not None, dropout=site.p > 0, causal=site.causal
-    )
-    specs = [attention_op.forward_spec(**flags)]
-    if ctx.training:
-        specs += attention_op.backward_specs(bias_grad=ctx.requires_grad(bias), **flags)
-    ctx.kernels(specs, name)
 
 
 class AttentionPattern:

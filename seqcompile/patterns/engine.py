@@ -11,7 +11,6 @@ from typing import Any, Protocol
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx_utils import (
     depends_on,
     in_layout_of,
@@ -134,10 +133,6 @@ class FuseContext:
 
     def fused(self, family: str, anchor: Node) -> None:
         self.sites[site_key(family, anchor)] = site_name(anchor)
-
-    def kernels(self, specs: list[KernelSpec], site: str) -> None:
-        for spec in specs:
-            self.report.add_kernel(prepare_kernel(spec, f"{site} in {self.graph_name}"))
 
 
 def site_key(family: str, anchor: Node) -> str:

@@ -15,7 +15,6 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from seqcompile.codegen import KernelSpec
 from seqcompile.fx_utils import (
     erase_unused,
     insert_call,
@@ -28,22 +27,22 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops.fused_op import Call
 
 aten = torch.ops.aten
 BACKWARD = torch.ops.seqfast.pointwise_backward.default
 
 
-def fold_gradient_sums(gm: GraphModule) -> list[KernelSpec]:
-    """Fold every sum a region's backward can take apart; return the kernels the rewritten
-    backward calls launch."""
-    specs: list[KernelSpec] = []
-    for node in list(gm.graph.nodes):
-        if is_call(node, BACKWARD):
-            specs += _fold(gm, node)
-    if specs:
+def fold_gradient_sums(gm: GraphModule) -> list[str]:
+    """Fold every sum a region's backward can take apart; return what changed, one line per
+    region backward that now adds its gradient terms itself."""
+    folded = [
+        note for node in list(gm.graph.nodes) if is_call(node, BACKWARD) for note in _fold(gm, node)
+    ]
+    if folded:
         gm.graph.lint()
         gm.recompile()
-    return specs
+    return folded
 
 
 def _terms(grad: Node, call: Node, order: dict[Node, int], outer: bool = True) -> list[Node] | None:
@@ -67,45 +66,38 @@ def _terms(grad: Node, call: Node, order: dict[Node, int], outer: bool = True) -
     return terms
 
 
-def _fold(gm: GraphModule, call: Node) -> list[KernelSpec]:
-    saved, grads, seed, stream, key, needs_grad, grad_terms, written, dtypes = call.args
+def _fold(gm: GraphModule, node: Node) -> list[str]:
+    call = Call.of(node)
+    grads, written, dtypes = call["grads"], call["written"], call["dtypes"]
     order = node_order(gm.graph)
     flat = iter(grads)
-    groups = [[next(flat) for _ in range(n)] for n in grad_terms]
+    groups = [[next(flat) for _ in range(n)] for n in call["grad_terms"]]
     folded: dict[int, Node] = {}  # output -> the sum node its terms replace
     for j, group in enumerate(groups):
-        terms = _terms(group[0], call, order) if len(group) == 1 else None
+        terms = _terms(group[0], node, order) if len(group) == 1 else None
         if terms is not None:
             folded[j], groups[j] = group[0], terms
     if not folded:
         return []
     new_written = [w or (j in folded and len(folded[j].users) > 1) for j, w in enumerate(written)]
-    needs = tuple(needs_grad)
-    before = regions.backward_plan(key, needs, tuple(grad_terms), tuple(written))
-    plan_key = (needs, tuple(len(g) for g in groups), tuple(new_written))
-    after = regions.backward_plan(key, *plan_key)
+    needs = tuple(call["needs_grad"])
+    before = regions.backward_plan(call["region"], needs, tuple(call["grad_terms"]), tuple(written))
+    grad_terms = [len(g) for g in groups]
+    after = regions.backward_plan(call["region"], needs, tuple(grad_terms), tuple(new_written))
     moved = _moved_outputs(before, after, written, new_written)
     if moved is None or before.saved != after.saved:
         return []
 
     new_dtypes = _output_dtypes(before, after, moved, dtypes, grads, folded, new_written)
     terms = [t for group in groups for t in group]
-    args = (
-        saved,
-        terms,
-        seed,
-        stream,
-        key,
-        list(needs),
-        list(plan_key[1]),
-        new_written,
-        new_dtypes,
+    args = call.arguments(
+        grads=terms, grad_terms=grad_terms, written=new_written, dtypes=new_dtypes
     )
     fake_mode = detect_fake_mode([tensor_val(t) for t in terms])
-    with gm.graph.inserting_before(call):
+    with gm.graph.inserting_before(node):
         new_call = insert_call(gm.graph, fake_mode, BACKWARD, args)
-    new_call.meta.update(source_meta(call))
-    for item in list(call.users):
+    new_call.meta.update(source_meta(node))
+    for item in list(node.users):
         assert is_call(item, operator.getitem)
         item.args = (new_call, moved[item.args[1]])
     sums = iter(after.sums)
@@ -114,11 +106,13 @@ def _fold(gm: GraphModule, call: Node) -> list[KernelSpec]:
         if j in folded and index is not None:
             with gm.graph.inserting_after(new_call):
                 item = insert_getitem(gm.graph, new_call, index)
-            folded[j].replace_all_uses_with(item, delete_user_cb=lambda u: u is not call)
-    gm.graph.erase_node(call)
+            folded[j].replace_all_uses_with(item, delete_user_cb=lambda u: u is not node)
+    gm.graph.erase_node(node)
     erase_unused(_sum_nodes(folded.values()))
-    saved_vals = [tensor_val(t) for t in saved]
-    return pointwise_op.backward_specs(key, plan_key, saved_vals, [tensor_val(t) for t in terms])
+    return [
+        f"{new_call.name}: pointwise_backward variant that adds {len(terms)} gradient terms"
+        f" itself (instead of {node.name} reading their sums)"
+    ]
 
 
 def _moved_outputs(before, after, written, new_written) -> dict[int, int] | None:

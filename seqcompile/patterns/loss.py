@@ -31,7 +31,6 @@ from seqcompile.fx_utils import (
     site_name,
     tensor_val,
 )
-from seqcompile.ops import cross_entropy as ce_op
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
@@ -223,7 +222,6 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
                 _rows(ctx, loss), target, loss.ignore_index, loss.smoothing,
             )  # fmt: skip
             result = _reduce(ctx, loss, insert_getitem(ctx.gm.graph, fused, 0))
-            specs = [ce_op.spec("forward")] + ([ce_op.spec("backward")] if ctx.training else [])
         else:
             width = tensor_val(linear.hidden).shape[-1]
             hidden = ctx.call(aten.reshape.default, linear.hidden, [-1, width])
@@ -235,7 +233,6 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
                 tensor_val(linear.node).dtype, needs,
             )  # fmt: skip
             result = insert_getitem(ctx.gm.graph, fused, 0)
-            specs = [ce_op.spec("forward_grad")]
         if tensor_val(result).dtype != out_dtype:
             result = ctx.call(aten.to.dtype, result, out_dtype)
         loss.node.replace_all_uses_with(ctx.in_layout_of(result, tensor_val(loss.node)))
@@ -245,7 +242,6 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
             if is_call(linear.node, aten.matmul.default):
                 replaced.append(linear.node.args[1])
         erase_unused(replaced)
-        ctx.kernels(specs, site_name(loss.node))
         return fused
 
     return apply

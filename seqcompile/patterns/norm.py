@@ -32,7 +32,6 @@ from seqcompile.fx_utils import (
     tensor_val,
 )
 from seqcompile.ops import norm as norm_op
-from seqcompile.ops import norm_reference
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 
 aten = torch.ops.aten
@@ -322,39 +321,9 @@ def _rewrite(
             [core.out, *core.nodes, *prologue.nodes, *prologue.views]
             + [n for n in (prologue.total, prologue.linear) if n is not None]
         )
-        _prepare_kernels(ctx, core, prologue, fused, bool(readers), site)
         return fused
 
     return apply
-
-
-def _prepare_kernels(
-    ctx: FuseContext, core: Core, prologue: Prologue, fused: Node, sum_read: bool, site: str
-) -> None:
-    flags = dict(
-        dropout=prologue.p > 0,
-        rms=core.rms,
-        weight=core.weight is not None,
-        bias=core.bias is not None,
-    )
-    specs = [
-        norm_op.forward_spec(
-            residual=prologue.residual is not None,
-            branch_bias=prologue.branch_bias is not None,
-            **flags,
-        )
-    ]
-    if ctx.training:
-        x_dtype = tensor_val(fused.args[0]).dtype
-        residual = tensor_val(prologue.residual)
-        specs += norm_op.backward_specs(
-            sum_grad=sum_read,
-            residual_grad=residual is not None
-            and norm_reference.needs_residual_grad(prologue.p, x_dtype, residual.dtype),
-            branch_bias=prologue.branch_bias is not None,
-            **flags,
-        )
-    ctx.kernels(specs, site)
 
 
 class NormPattern:

@@ -368,12 +368,10 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
     ]
     try:
         region = cut.register()
-        specs = pointwise_op.compile_time_specs(
-            region, values, needs_grad if ctx.training else None
-        )
+        # rendered now, so an op the printer lacks refuses the region rather than fail later
+        pointwise_op.compile_time_specs(region, values, needs_grad if ctx.training else None)
     except (regions.UnsupportedRegion, Unprintable) as error:
         return str(error)
-    ctx.kernels(specs, site_name(last))
 
     device = tensor_val(last).device
     seed = ctx.seed(device) if dropouts else None

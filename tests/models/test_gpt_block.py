@@ -97,7 +97,7 @@ def _compiled_step(monkeypatch, fold: bool):
     """Loss and every gradient of one compiled step from a fixed seed, with or without the folding
     of gradient sums into region backwards."""
     if not fold:
-        monkeypatch.setattr("seqcompile.backend.fold_gradient_sums", lambda gm: [])
+        monkeypatch.setattr("seqcompile.memory.passes.fold_gradient_sums", lambda gm: [])
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Stack().train()

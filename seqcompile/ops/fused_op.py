@@ -1,0 +1,132 @@
+"""What the compiler knows about one fused operator, declared once: `FusedOp` is a registry entry
+(its forward and backward ops, the kernels each launches, its cost, what its backward keeps, its
+workspace, its in-place twin and its gradient-accumulation hook), and `Call` reads a graph node
+of one of its ops by argument name. Every stage asks the entry (through `ops/registry.py`) and
+reads arguments through `Call`; nothing indexes a fused op's positional arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from seqcompile.codegen import KernelSpec
+from seqcompile.fx_utils import tensor_val
+
+OpOverload = torch._ops.OpOverload
+
+
+class Call(Mapping[str, Any]):
+    """A call of a fused op (a graph node, or the arguments a kernel launcher was given) read by
+    the names in the op's schema, defaults filled in. `call["x"]` is the argument (a node in a
+    graph); `call.value("x")` its fake value (a tensor, or the literal)."""
+
+    def __init__(self, op: OpOverload, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        self.op = op
+        self.names = [a.name for a in op._schema.arguments]
+        self._args: dict[str, Any] = {}
+        for argument, value in zip(op._schema.arguments, args, strict=False):
+            self._args[argument.name] = value
+        for argument in op._schema.arguments:
+            if argument.name in kwargs:
+                self._args[argument.name] = kwargs[argument.name]
+            elif argument.name not in self._args:
+                self._args[argument.name] = argument.default_value
+
+    @classmethod
+    def of(cls, node: Node) -> Call:
+        return cls(node.target, node.args, node.kwargs)
+
+    @classmethod
+    def launched(cls, op: OpOverload, *args: Any) -> Call:
+        """The call a launcher received (its values are tensors and literals, not nodes)."""
+        return cls(op, args, {})
+
+    def __getitem__(self, name: str) -> Any:
+        return self._args[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def value(self, name: str) -> Any:
+        """The argument's value at the traced sizes: a node's fake value, a list's element
+        values, or the literal itself."""
+        return _value(self._args[name])
+
+    def arguments(self, **changes: Any) -> tuple:
+        """The positional arguments of the op, with `changes` by name."""
+        unknown = changes.keys() - set(self.names)
+        if unknown:
+            raise TypeError(f"{self.op} has no argument {', '.join(sorted(unknown))}")
+        return tuple(changes.get(name, self._args[name]) for name in self.names)
+
+    def shown(self) -> dict[str, Any]:
+        """The arguments worth printing: those that are not None."""
+        return {name: v for name, v in self._args.items() if v is not None}
+
+
+def _value(arg: Any) -> Any:
+    if isinstance(arg, Node):
+        return tensor_val(arg) if tensor_val(arg) is not None else arg.meta.get("val")
+    if isinstance(arg, list | tuple):
+        return [_value(a) for a in arg]
+    return arg
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """A functional backward op and its twin that writes its result over one argument."""
+
+    functional: OpOverload
+    twin: OpOverload
+    over: str
+    """The argument the twin writes over (it must be a saved tensor only this call reads)."""
+
+
+Kernels = Callable[[Call], list[KernelSpec]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOp:
+    """One fused operator's entry in the registry."""
+
+    name: str
+    """Its readable name, the stem of its ops and the label of its kernels in the report."""
+    family: str
+    """The pattern family (report key) that makes it."""
+    forward: OpOverload
+    """The op the fuse stage inserts (a `torch.library` custom op): its fake implementation
+    runs at compile time, its kernels on CUDA and under the interpreter."""
+    reference: Callable[..., Any]
+    """The plain-ATen implementation: the test oracle, and what the op runs on CPU."""
+    kernels: Mapping[OpOverload, Kernels]
+    """For the forward op and each backward op: the kernels a call of it launches, at the
+    traced sizes (the same function its launcher uses, so the compile and the run agree)."""
+    saves: str
+    """What the forward keeps for the backward, in words (the op's autograd saves it)."""
+    backward: tuple[OpOverload, ...] = ()
+    """The ops its backward graph calls."""
+    flops: Callable[[Call], int] | None = None
+    """FLOPs of a forward call; None: bandwidth-bound (it costs the bytes it moves)."""
+    workspace: Callable[[Call], int] | None = None
+    """Bytes a forward call allocates and frees while it runs, beyond its outputs."""
+    in_place: InPlace | None = None
+    accumulate: Callable[..., bool] | None = None
+    """`accumulate(graph, buffer, call, output)`: add output `output` of the backward `call`
+    into the parameter gradient `buffer` inside the op, returning whether it could."""
+
+    @property
+    def ops(self) -> tuple[OpOverload, ...]:
+        twin = (self.in_place.twin,) if self.in_place is not None else ()
+        return (self.forward, *self.backward, *twin)
+
+    def direction(self, op: OpOverload) -> str:
+        """ "forward" or "backward": which half of the training step a call of `op` runs in."""
+        return "forward" if op is self.forward else "backward"

@@ -1,0 +1,59 @@
+"""The registry of fused operators: one `FusedOp` entry per operator, declared next to the operator
+it describes. Every stage asks here what it needs to know about a fused op's call (its kernels,
+cost, workspace, in-place twin, accumulation hook) and reads the call's arguments by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import Node
+
+from seqcompile.codegen import KernelSpec
+from seqcompile.ops import attention, cross_entropy, linear_cross_entropy, norm, pointwise
+from seqcompile.ops.fused_op import Call, FusedOp
+
+ENTRIES: tuple[FusedOp, ...] = (
+    attention.ENTRY,
+    norm.ENTRY,
+    cross_entropy.ENTRY,
+    linear_cross_entropy.ENTRY,
+    pointwise.ENTRY,
+)
+_BY_OP = {op: entry for entry in ENTRIES for op in entry.ops}
+
+
+def entry_of(target: Any) -> FusedOp | None:
+    """The entry of the fused operator `target` (a node, or an op) belongs to; None for any
+    other op."""
+    if isinstance(target, Node):
+        target = target.target if target.op == "call_function" else None
+    return _BY_OP.get(target)
+
+
+def call_of(node: Node) -> Call | None:
+    """`node` read by argument name, when it calls a fused operator's op."""
+    return Call.of(node) if entry_of(node) is not None else None
+
+
+def kernels_of(node: Node) -> list[KernelSpec]:
+    """The generated kernels a call of a fused op launches, at the traced sizes."""
+    entry = entry_of(node)
+    if entry is None:
+        return []
+    return entry.kernels[node.target](Call.of(node))
+
+
+def flops_of(node: Node) -> int | None:
+    """FLOPs of a fused op's call that its entry counts; None when it gives no formula."""
+    entry = entry_of(node)
+    if entry is None or entry.flops is None or node.target is not entry.forward:
+        return None
+    return entry.flops(Call.of(node))
+
+
+def workspace_of(node: Node) -> int:
+    """Bytes a fused op's call allocates and frees while it runs."""
+    entry = entry_of(node)
+    if entry is None or entry.workspace is None or node.target is not entry.forward:
+        return 0
+    return entry.workspace(Call.of(node))

@@ -1,0 +1,173 @@
+"""The registry of fused operators: each fact that two stages used to compute apart (the kernels a
+fused call launches, its FLOPs, its workspace, its in-place twin, its accumulation hook) is read
+from one entry, and the stages agree with it."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from checks import TINY_GPT, tiny_gpt_batch
+
+import seqcompile.backend as backend
+from seqcompile.codegen import counting_launches
+from seqcompile.demo import GPT
+from seqcompile.memory.cost import node_cost
+from seqcompile.memory.liveness import step_memory
+from seqcompile.ops import registry
+from seqcompile.ops.fused_op import Call
+from seqcompile.report import collecting
+
+
+def _compiled_graphs(model, *inputs, options=None):
+    """Compile `model`, run one step, and return the report and the forward and backward graphs
+    stage 5 handed to the executor."""
+    graphs = {}
+    original = backend.plan_memory
+
+    def keep(*args, **kwargs):
+        forward, backward = original(*args, **kwargs)
+        graphs["forward"], graphs["backward"] = forward, backward
+        return forward, backward
+
+    with pytest.MonkeyPatch.context() as patch, collecting() as report:
+        patch.setattr(backend, "plan_memory", keep)
+        out = torch.compile(model, backend="seqfast", options=options)(*inputs)
+        out.sum().backward()
+    return report, graphs["forward"], graphs["backward"]
+
+
+class NormBlock(nn.Module):
+    """x + dropout(linear(h)) then a norm; the sum is read again (the next residual)."""
+
+    def __init__(self, rms: bool, dropout: float):
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+        self.norm = nn.RMSNorm(24) if rms else nn.LayerNorm(24)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, h):
+        total = x + self.dropout(self.proj(h))
+        return self.norm(total) * 2 + total
+
+
+@pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "column_sum", "attention_fwd", "pointwise")
+@pytest.mark.parametrize("rms, dropout", [(False, 0.0), (True, 0.1)])
+def test_the_kernels_a_compile_lists_are_the_kernels_its_step_launches(interpret, rms, dropout):
+    """The compile derives each call's kernels from the registry at the traced sizes; the
+    launchers derive them from their arguments with the same function: the two sets agree."""
+    torch.manual_seed(0)
+    model = NormBlock(rms, dropout).train()
+    x, h = torch.randn(2, 5, 24, requires_grad=True), torch.randn(2, 5, 24, requires_grad=True)
+    with counting_launches() as launches:
+        report, forward, backward = _compiled_graphs(model, x, h)
+    _assert_listed_kernels_launched(report, launches)
+    ops = {use.op for use in report.kernels}
+    assert "add_norm" in ops
+    assert {use.direction for use in report.kernels} == {"forward", "backward"}
+
+    gpt = GPT(TINY_GPT).train()
+    with counting_launches() as launches:
+        report, _, _ = _compiled_graphs(lambda i, t: gpt(i, t), *tiny_gpt_batch(length=12))
+    _assert_listed_kernels_launched(report, launches)
+    assert {"attention", "add_norm", "linear_cross_entropy"} <= {u.op for u in report.kernels}
+
+
+def _assert_listed_kernels_launched(report, launches):
+    listed, launched = {use.source.name for use in report.kernels}, set(launches.files())
+    assert listed <= launched, f"listed kernels never launched: {listed - launched}"
+    assert launched <= listed, f"kernels launched but not listed: {launched - listed}"
+
+
+def test_fused_calls_are_read_by_argument_name():
+    inputs = (torch.randn(2, 5, 24, requires_grad=True), torch.randn(2, 5, 24, requires_grad=True))
+    _, forward, _ = _compiled_graphs(NormBlock(rms=False, dropout=0.0), *inputs)
+    (norm,) = [n for n in forward.graph.nodes if n.target is torch.ops.seqfast.add_norm.default]
+    call = Call.of(norm)
+    assert call["eps"] == 1e-5 and call["rms"] is False and call["p"] == 0.0
+    assert call.value("x").shape == (2, 5, 24)
+    assert list(call.arguments(eps=0.5)) == [0.5 if k == "eps" else call[k] for k in call]
+    with pytest.raises(TypeError, match="no argument"):
+        call.arguments(epsilon=0.5)
+
+
+def test_attention_flops_come_from_its_entry_for_the_cost_model():
+    """The roofline's price of a fused attention is the entry's formula: 2 products of
+    B*H*Lq*Lk*D multiply-adds, halved when causal."""
+    b, h, lq, lk, d = 2, 3, 7, 9, 8
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(b, h, lq, d, requires_grad=True)
+    k, v = (torch.randn(b, h, lk, d, requires_grad=True) for _ in range(2))
+    _, forward, _ = _compiled_graphs(attend, q, k, v)
+    (node,) = [n for n in forward.graph.nodes if n.target is torch.ops.seqfast.attention.default]
+    expected = 2 * b * h * lq * lk * (d + d)
+    assert registry.flops_of(node) == expected == node_cost(node).flops
+
+
+def test_the_fused_loss_workspace_is_counted_at_its_node():
+    """The memory model adds the linear + cross-entropy's workspace (a chunk of logits and of
+    `dlogits @ weight`) while that node runs, as the entry gives it: with narrow features and
+    one chunk of every row, the workspace sets the step's peak."""
+    hidden = torch.randn(64, 2, requires_grad=True)
+    weight = torch.randn(40, 2, requires_grad=True)
+    target = torch.randint(0, 40, (64,))
+
+    def loss(hidden, weight, target):
+        return F.cross_entropy(F.linear(hidden, weight), target)
+
+    _, forward, backward = _compiled_graphs(
+        loss, hidden, weight, target, options={"loss_chunk": 64}
+    )
+    (node,) = [
+        n for n in forward.graph.nodes if n.target is torch.ops.seqfast.linear_cross_entropy.default
+    ]
+    assert registry.workspace_of(node) == 64 * (40 + 2) * 4  # float32 throughout
+    with_workspace = step_memory(forward, backward, 1, set())
+    assert with_workspace.peak_node == node.name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "workspace_of", lambda n: 0)
+        without = step_memory(forward, backward, 1, set())
+    assert without.peak_node != node.name
+    assert with_workspace.peak_bytes > without.peak_bytes
+
+
+def test_the_in_place_twin_of_the_loss_backward_is_the_entrys():
+    """Stage 5 swaps a backward op for the twin its entry names, writing over the argument the
+    entry names, and the report says which variant the backward took."""
+    logits = torch.randn(12, 30, requires_grad=True)
+    target = torch.randint(0, 30, (12,))
+
+    def loss(logits, target):
+        return F.cross_entropy(logits * 2, target)
+
+    report, _, backward = _compiled_graphs(loss, logits, target)
+    entry = registry.entry_of(torch.ops.seqfast.cross_entropy.default)
+    targets = {n.target for n in backward.graph.nodes}
+    assert entry.in_place.twin in targets and entry.in_place.functional not in targets
+    (variant,) = report.variants
+    assert "in-place variant" in variant
+
+
+def test_the_loss_accumulates_its_weight_gradient_through_its_entrys_hook():
+    hidden = torch.randn(16, 8, requires_grad=True)
+    head = nn.Linear(8, 40, bias=False)
+    target = torch.randint(0, 40, (16,))
+
+    def loss(hidden, target):
+        return F.cross_entropy(head(hidden), target)
+
+    _, _, backward = _compiled_graphs(loss, hidden, target, options={"accumulate_grads": True})
+    targets = [n.target for n in backward.graph.nodes]
+    assert torch.ops.seqfast.accumulate_scaled_.default in targets
+    assert registry.entry_of(torch.ops.seqfast.linear_cross_entropy.default).accumulate
+
+
+def test_every_entry_names_its_ops_and_kernels():
+    for entry in registry.ENTRIES:
+        assert entry.forward in entry.kernels
+        assert all(op in entry.kernels for op in entry.ops), entry.name
+        assert all(registry.entry_of(op) is entry for op in entry.ops)
+        assert entry.saves and entry.reference is not None
+    assert registry.entry_of(torch.ops.aten.add.Tensor) is None
