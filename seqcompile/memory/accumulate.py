@@ -36,6 +36,8 @@ class Accumulation:
     """Which forward inputs accumulate into their `.grad`, by position."""
 
     positions: tuple[int, ...]
+    hooked: tuple[str, ...] = ()
+    """Fused backward calls whose gradients their registry hook accumulates."""
 
 
 def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumulation:
@@ -44,7 +46,7 @@ def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumu
     graph = backward.graph
     outputs = graph_outputs(backward)
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
-    taken = []
+    taken, hooked = [], []
     for position in positions:
         gradient = outputs[position]
         if not isinstance(gradient, Node):
@@ -54,42 +56,42 @@ def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumu
         buffer.meta["val"] = val(gradient)
         last_placeholder = buffer
         with graph.inserting_before(gradient.next):
-            _accumulate(graph, buffer, gradient)
+            hooked += _accumulate(graph, buffer, gradient)
         outputs[position] = None
         taken.append(position)
     output = next(iter(graph.find_nodes(op="output")))
     output.args = (tuple(outputs),)
     graph.eliminate_dead_code()
     backward.recompile()
-    return Accumulation(tuple(taken))
+    return Accumulation(tuple(taken), tuple(dict.fromkeys(hooked)))
 
 
-def _accumulate(graph: Any, buffer: Node, gradient: Node) -> None:
+def _accumulate(graph: Any, buffer: Node, gradient: Node) -> list[str]:
     """Insert the calls that add `gradient`'s value into `buffer`, inside its producer when the
-    producer allows."""
+    producer allows; return the fused backward calls whose hook did it."""
     if is_call(gradient, aten.add.Tensor) and all(
         isinstance(a, Node) and val(a).shape == val(gradient).shape for a in gradient.args[:2]
     ):
-        for term in gradient.args[:2]:
-            _accumulate(graph, buffer, term)
-        return
+        return [name for term in gradient.args[:2] for name in _accumulate(graph, buffer, term)]
     matmul, transposed = _through_transposes(gradient)
     if is_call(matmul, aten.mm.default):
         a, b = matmul.args
         if transposed:  # (a @ b)^T = b^T @ a^T
             a, b = (graph.call_function(aten.t.default, (x,)) for x in (b, a))
         graph.call_function(seqfast.accumulate_matmul_.default, (buffer, a, b))
-        return
+        return []
     if gradient.target is operator.getitem:
-        entry = registry.entry_of(gradient.args[0])
+        call, output = gradient.args
+        entry = registry.entry_of(call)
         if entry is not None and entry.accumulate is not None:
-            if entry.accumulate(graph, buffer, gradient.args[0], gradient.args[1]):
-                return
+            if entry.accumulate(graph, buffer, call, output):
+                return [call.name]
     if is_call(gradient, aten.embedding_dense_backward.default) and not gradient.args[4]:
         rows, indices, _, padding_idx, _ = gradient.args
         graph.call_function(seqfast.accumulate_rows_.default, (buffer, rows, indices, padding_idx))
-        return
+        return []
     graph.call_function(seqfast.accumulate_.default, (buffer, gradient))
+    return []
 
 
 def _through_transposes(node: Node) -> tuple[Node, bool]:

@@ -143,7 +143,12 @@ def accumulation(plan: Plan, state: Compile) -> list[str]:
     positions = parameter_positions(state)
     accumulate.check_parameters([state.example_inputs[i] for i in positions])
     state.accumulation = accumulate.accumulate_into_grads(plan.backward, positions)
-    return [f"parameters {list(state.accumulation.positions)} accumulate into their .grad"]
+    hooked = [
+        f"{name}: variant whose parameter gradients its accumulation hook adds into .grad"
+        for name in state.accumulation.hooked
+    ]
+    plan.variants += hooked
+    return [f"inputs {list(state.accumulation.positions)} accumulate into their .grad", *hooked]
 
 
 def memory_analysis(plan: Plan, state: Compile) -> list[str]:

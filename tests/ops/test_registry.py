@@ -158,9 +158,11 @@ def test_the_loss_accumulates_its_weight_gradient_through_its_entrys_hook():
     def loss(hidden, target):
         return F.cross_entropy(head(hidden), target)
 
-    _, _, backward = _compiled_graphs(loss, hidden, target, options={"accumulate_grads": True})
+    report, _, backward = _compiled_graphs(loss, hidden, target, options={"accumulate_grads": True})
     targets = [n.target for n in backward.graph.nodes]
     assert torch.ops.seqfast.accumulate_scaled_.default in targets
+    (variant,) = report.variants
+    assert "accumulation hook" in variant
     assert registry.entry_of(torch.ops.seqfast.linear_cross_entropy.default).accumulate
 
 
