@@ -29,7 +29,7 @@ import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers its op)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
-from seqcompile import structure, verify
+from seqcompile import dump, structure, verify
 from seqcompile.memory import accumulate
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
@@ -38,7 +38,7 @@ from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
-from seqcompile.report import CompileReport, Missed, publish
+from seqcompile.report import CompileReport, KernelUse, Missed, publish
 
 log = logging.getLogger("seqcompile")
 _graph_ids = itertools.count()
@@ -78,20 +78,20 @@ class GraphCompile:
         """Write the graph after `stage` (or generated code) as readable Python, numbered in the
         order written."""
         if self.dump_dir is not None:
-            text = (
-                gm
-                if isinstance(gm, str)
-                else gm.print_readable(print_output=False, include_stride=True, include_device=True)
-            )
+            text = gm if isinstance(gm, str) else dump.graph_text(gm)
             (self.dump_dir / f"{self._dumped:02d}_{stage}.py").write_text(text)
             self._dumped += 1
 
     def write_report(self) -> None:
+        """Write `report.txt`, and each kernel the graphs launch headed with where they do."""
         if self.dump_dir is not None:
             kernels = self.dump_dir / "kernels"
             kernels.mkdir(exist_ok=True)
-            for kernel in self.report.kernels:
-                (kernels / kernel.path.name).write_text(kernel.source.source)
+            uses: dict[str, list[KernelUse]] = {}
+            for use in self.report.kernels:
+                uses.setdefault(use.name, []).append(use)
+            for name, launched in uses.items():
+                (kernels / f"{name}.py").write_text(dump.kernel_file(launched))
             (self.dump_dir / "report.txt").write_text(str(self.report))
 
 
@@ -168,6 +168,7 @@ def plan_memory(
 ) -> tuple[GraphModule, GraphModule]:
     """Stage 5: the joint graph becomes the forward and backward graphs through `PASSES` (see
     `memory/passes.py`), each dumped with its notes."""
+    state.dump("differentiate", joint)
     plan = Plan(joint, joint_inputs, num_fwd_outputs, kwargs)
     for name, run in PASSES:
         notes = run(plan, state)
@@ -181,10 +182,7 @@ def _pass_text(name: str, notes: list[str], graphs: list[GraphModule]) -> str:
     """A pass's dump file: its notes as comments, then its graphs (the joint graph, or the
     forward and the backward)."""
     header = [f"# stage 5, pass {name!r}"] + [f"# {note}" for note in notes]
-    texts = [
-        g.print_readable(print_output=False, include_stride=True, include_device=True)
-        for g in graphs
-    ]
+    texts = [dump.graph_text(g) for g in graphs]
     return "\n".join(header) + "\n\n" + "\n\n".join(texts)
 
 
@@ -320,6 +318,7 @@ def _compile(
         fuse_only=fuse_only,
     )
     state.dump("dynamo", gm)
+    dump.write_rerun(state.dump_dir, state.name, gm, example_inputs, opts)
     shape = structure.signature(gm, meta_key="example_value")
     for stage in STAGES:
         gm = stage(gm, state)

@@ -43,7 +43,10 @@ class KernelUse:
     node: str
     """The fused op's node in the lowered graph."""
     site: str
-    """Module path and source line of the code the fused op replaced."""
+    """The node, with the module path and source line of the code the fused op replaced."""
+
+    def __str__(self) -> str:
+        return f"{self.graph} {self.direction} {self.op}: {self.site}"
 
     @property
     def name(self) -> str:
@@ -140,7 +143,7 @@ def _kernel_lines(uses: list[KernelUse]) -> list[str]:
     lines = []
     for source, launches in by_kernel.items():
         lines.append(f"  {source.name}  ({source.path})")
-        lines += [f"    {u.graph} {u.direction}: {u.op} {u.node} at {u.site}" for u in launches]
+        lines += [f"    {use}" for use in launches]
     return lines
 
 

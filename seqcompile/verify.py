@@ -27,6 +27,8 @@ import torch
 from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves
 
+from seqcompile import dump
+
 log = logging.getLogger("seqcompile")
 
 TOLERANCE = {
@@ -228,40 +230,16 @@ def _write_repro(
     folder = dump_dir or Path(tempfile.mkdtemp(prefix="seqfast_verify_"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}_verify_repro.py"
-    inputs = "\n".join(f"    {_input_expression(a)}," for a in args)
     path.write_text(
-        f'"""seqfast verify found that {name} differs from eager: {error}.\n'
-        f'Run: python {path.name}"""\n\n'
-        "import torch\nfrom torch import device  # noqa: F401 (in the graph's code)\n\n"
-        "from seqcompile.verify import difference\n\n"
-        f"{_module_source(captured)}\n\n"
-        "def inputs():\n    torch.manual_seed(0)\n    return [\n"
-        f"{inputs}\n    ]\n\n\n"
-        'if __name__ == "__main__":\n'
-        "    module, args = Repro(), inputs()\n"
-        '    compiled = torch.compile(module, backend="seqfast")\n'
-        '    print(difference(module, compiled, args) or "matches eager")\n'
+        dump.script(
+            f"seqfast verify found that {name} differs from eager: {error}.\n"
+            f"Run: python {path.name}",
+            captured,
+            args,
+            "from seqcompile.verify import difference",
+            "    module, args = Repro(), inputs()\n"
+            '    compiled = torch.compile(module, backend="seqfast")\n'
+            '    print(difference(module, compiled, args) or "matches eager")\n',
+        )
     )
     return path
-
-
-def _module_source(captured: GraphModule) -> str:
-    from torch._dynamo.debug_utils import NNModuleToString
-
-    return NNModuleToString.convert(captured)
-
-
-def _input_expression(a: Any) -> str:
-    if not isinstance(a, torch.Tensor):
-        return repr(a)
-    size, stride = list(a.shape), list(a.stride())
-    storage = 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True)) if a.numel() else 0
-    if a.is_floating_point():
-        make = f"torch.randn({storage}, dtype={a.dtype})"
-    elif a.dtype == torch.bool:
-        make = f"torch.rand({storage}) > 0.5"
-    else:
-        high = int(a.max().item()) + 1 if a.numel() else 1
-        make = f"torch.randint(0, {max(high, 1)}, ({storage},), dtype={a.dtype})"
-    grad = f".requires_grad_({a.requires_grad})" if a.is_floating_point() else ""
-    return f"({make}).to({str(a.device)!r}).as_strided({size}, {stride}).detach(){grad}"

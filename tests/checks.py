@@ -3,9 +3,11 @@ fired, that the output and every gradient match eager, and which sites were refu
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,3 +124,20 @@ def tiny_gpt_batch(size: int = 2, length: int = 16) -> tuple[torch.Tensor, torch
     them, and as a compile on the meta device sees them)."""
     batch = toy_batch(TINY_GPT, size, length, torch.device("cpu"), torch.Generator())
     return tuple(t.contiguous() for t in batch)
+
+
+def dumped_fuse_stage(dump_dir: Path | str) -> str:
+    """The graph after the fuse stage, as the first compile in `dump_dir` dumped it."""
+    return next(Path(dump_dir).glob("*/*_fuse.py")).read_text()
+
+
+def dumped_add_norms(dump_dir: Path | str) -> list[tuple[bool, float]]:
+    """Per `add_norm` call in the fuse stage's dumped graph (calls print their arguments by
+    name): whether it adds a residual, and its dropout p."""
+    calls = [
+        {kw.arg: kw.value for kw in node.keywords}
+        for node in ast.walk(ast.parse(dumped_fuse_stage(dump_dir)))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "torch.ops.seqfast.add_norm.default"
+    ]
+    return [("residual" in c, ast.literal_eval(c["p"])) for c in calls]

@@ -7,10 +7,10 @@ Each model function returns the class, the config, and the counts read from the 
 norm sites, those whose residual sum folds in, and those with dropout on the residual branch."""
 
 import copy
-import re
 
 import pytest
 import torch
+from checks import dumped_add_norms
 
 from seqcompile.report import collecting
 
@@ -82,13 +82,6 @@ def first_output(model, inputs):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def add_norm_sites(dump_dir) -> list[tuple[bool, float]]:
-    """Per fused residual + norm in the dumped graph: whether it adds a residual, its dropout p."""
-    fused = next(dump_dir.glob("*/*_fuse.py")).read_text()
-    calls = re.findall(r"seqfast\.add_norm\.default\(([^)]*)\)", fused)
-    return [(c.split(", ")[1] != "None", float(c.split(", ")[7])) for c in calls]
-
-
 def compile_and_run(model, tmp_path):
     with collecting() as report:
         compiled = torch.compile(model, backend="seqfast", options={"dump_dir": tmp_path})
@@ -111,7 +104,7 @@ def test_every_residual_norm_site_fuses_and_the_step_matches_eager(model, tmp_pa
 
     assert report.counts["norm"] == sites and not report.missed, str(report)
     assert (
-        sorted(add_norm_sites(tmp_path))
+        sorted(dumped_add_norms(tmp_path))
         == [(False, 0.0)] * (sites - residual_sites) + [(True, 0.0)] * residual_sites
     )
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
@@ -130,6 +123,6 @@ def test_dropout_on_the_residual_branch_folds_into_the_norm(model, tmp_path):
     out.sum().backward()
 
     assert report.counts["norm"] == sites and not report.missed, str(report)
-    fused = add_norm_sites(tmp_path)
+    fused = dumped_add_norms(tmp_path)
     assert sum(residual for residual, _ in fused) == residual_sites, fused
     assert sorted(p for _, p in fused) == [0.0] * (sites - dropout_sites) + [0.1] * dropout_sites

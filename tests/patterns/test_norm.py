@@ -1,13 +1,11 @@
 """The residual + normalization family end to end: each spelling fuses, output and every gradient
 match eager, and each near-miss is refused with its reason."""
 
-import re
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from checks import check_fusion
+from checks import check_fusion, dumped_add_norms, dumped_fuse_stage
 
 from seqcompile.demo import HandwrittenRMSNorm
 
@@ -338,16 +336,6 @@ class ReshapedPostLN(nn.Module):
         return self.norm(s.view(-1, 4, s.shape[-1]) if self.view else s.reshape(-1, s.shape[-1]))
 
 
-def _fused_graph(tmp_path) -> str:
-    return next(tmp_path.glob("*/*_fuse.py")).read_text()
-
-
-def _add_norm_args(tmp_path) -> list[tuple[bool, float]]:
-    """Per fused op in the dumped graph: whether it adds a residual, and its dropout p."""
-    calls = re.findall(r"seqfast\.add_norm\.default\(([^)]*)\)", _fused_graph(tmp_path))
-    return [(c.split(", ")[1] != "None", float(c.split(", ")[7])) for c in calls]
-
-
 @pytest.mark.parametrize("view", [False, True], ids=["reshape", "view"])
 def test_sum_reshaped_before_the_norm_is_folded(view, tmp_path):
     check_fusion(
@@ -356,7 +344,7 @@ def test_sum_reshaped_before_the_norm_is_folded(view, tmp_path):
         counts={"norm": 1},
         options={"dump_dir": tmp_path},
     )
-    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+    assert dumped_add_norms(tmp_path) == [(True, 0.0)]
 
 
 def test_dropout_on_a_reshaped_sum_is_folded(tmp_path):
@@ -366,7 +354,7 @@ def test_dropout_on_a_reshaped_sum_is_folded(tmp_path):
     )
     assert out.shape == (16, 32)
     out.sum().backward()
-    assert _add_norm_args(tmp_path) == [(True, 0.1)]
+    assert dumped_add_norms(tmp_path) == [(True, 0.1)]
 
 
 def test_pre_ln_reshaped_sum_read_elsewhere_is_the_second_output(tmp_path):
@@ -380,9 +368,9 @@ def test_pre_ln_reshaped_sum_read_elsewhere_is_the_second_output(tmp_path):
     check_fusion(
         block, [rand(2, 4, 32), rand(2, 4, 32)], counts={"norm": 1}, options={"dump_dir": tmp_path}
     )
-    fused = _fused_graph(tmp_path)
+    fused = dumped_fuse_stage(tmp_path)
     assert "aten.add" not in fused and "add_norm_default[1]" in fused
-    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+    assert dumped_add_norms(tmp_path) == [(True, 0.0)]
 
 
 @pytest.mark.parametrize("read", ["sum", "first-reshape"])
@@ -397,9 +385,9 @@ def test_sum_read_elsewhere_on_the_way_to_the_norm_is_the_second_output(read, tm
     check_fusion(
         fn, [rand(2, 4, 32), rand(2, 4, 32)], counts={"norm": 1}, options={"dump_dir": tmp_path}
     )
-    fused = _fused_graph(tmp_path)
+    fused = dumped_fuse_stage(tmp_path)
     assert "aten.add" not in fused and "add_norm_default[1]" in fused
-    assert _add_norm_args(tmp_path) == [(True, 0.0)]
+    assert dumped_add_norms(tmp_path) == [(True, 0.0)]
 
 
 def test_reshape_that_changes_the_rows_keeps_the_sum_outside(tmp_path):
@@ -411,5 +399,5 @@ def test_reshape_that_changes_the_rows_keeps_the_sum_outside(tmp_path):
         counts={"norm": 1},
         options={"dump_dir": tmp_path},
     )
-    assert "aten.add.Tensor" in _fused_graph(tmp_path)
-    assert _add_norm_args(tmp_path) == [(False, 0.0)]
+    assert "aten.add.Tensor" in dumped_fuse_stage(tmp_path)
+    assert dumped_add_norms(tmp_path) == [(False, 0.0)]
