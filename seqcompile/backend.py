@@ -173,17 +173,9 @@ def plan_memory(
     for name, run in PASSES:
         notes = run(plan, state)
         if state.dump_dir is not None:
-            state.dump(f"plan_memory_{name}", _pass_text(name, notes, plan.graphs))
+            state.dump(f"plan_memory_{name}", dump.pass_text(name, notes, plan.graphs))
     state.report.variants += [f"{state.name}: {variant}" for variant in plan.variants]
     return plan.forward, plan.backward
-
-
-def _pass_text(name: str, notes: list[str], graphs: list[GraphModule]) -> str:
-    """A pass's dump file: its notes as comments, then its graphs (the joint graph, or the
-    forward and the backward)."""
-    header = [f"# stage 5, pass {name!r}"] + [f"# {note}" for note in notes]
-    texts = [dump.graph_text(g) for g in graphs]
-    return "\n".join(header) + "\n\n" + "\n\n".join(texts)
 
 
 def lower(

@@ -40,6 +40,13 @@ def graph_text(gm: GraphModule) -> str:
     )
 
 
+def pass_text(name: str, notes: list[str], graphs: list[GraphModule]) -> str:
+    """A stage-5 pass's file: its notes as comments, then its graphs (the joint graph, or the
+    forward and the backward)."""
+    header = [f"# stage 5, pass {name!r}"] + [f"# {note}" for note in notes]
+    return "\n".join(header) + "\n\n" + "\n\n".join(graph_text(g) for g in graphs)
+
+
 def kernel_file(uses: list[KernelUse]) -> str:
     """One kernel's file for this compile's dump: a header naming the graphs, nodes and source
     lines it was made for here, then the kernel as cached (without the cache's own header)."""
