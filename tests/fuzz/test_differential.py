@@ -88,6 +88,13 @@ def run(
     )
 
 
+AMPLIFIED_ULPS = 64
+"""Eager off from the float64 result by more than this many units of the dtype's precision at
+the result's largest magnitude: the program amplifies rounding (see `assert_close`)."""
+ILL_CONDITIONED = 8
+"""How much farther from the float64 result than eager seqfast may then be."""
+
+
 def assert_close(
     what: str,
     actual: torch.Tensor,
@@ -98,7 +105,11 @@ def assert_close(
     """Within `dtype`'s tolerance of eager, the absolute part scaled by the largest expected
     magnitude (sums of many terms round at that scale). Failing that, `truth()` (the float64
     result) decides: seqfast may be as far from it as eager is, plus the tolerance (eager rounds
-    too: a LayerNorm over one element has the gradient 0, eager's is not)."""
+    too: a LayerNorm over one element has the gradient 0, eager's is not). Where eager itself is
+    off by far more than rounding (`AMPLIFIED_ULPS`), the program amplifies rounding (a LayerNorm
+    over two nearly equal features multiplies its input's gradient by 1/std): an equivalent
+    program that rounds differently, even with nothing fused, lands farther off by a small
+    factor, so seqfast may be `ILL_CONDITIONED` times eager's distance."""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     finite = expected[expected.isfinite()]
@@ -113,7 +124,11 @@ def assert_close(
             raise AssertionError(message) from None
         t = truth()
         fast_off, eager_off = (actual.double() - t).abs(), (expected.double() - t).abs()
-        if not (fast_off <= eager_off + atol + rtol * t.abs()).all():
+        allowed = eager_off + atol + rtol * t.abs()
+        amplified = eager_off.max() > AMPLIFIED_ULPS * torch.finfo(dtype).eps * scale
+        if amplified:
+            allowed = torch.maximum(allowed, ILL_CONDITIONED * eager_off.max())
+        if not (fast_off <= allowed).all():
             raise AssertionError(
                 f"{message}\nand from the float64 result by up to {fast_off.max().item():.3g},"
                 f" where eager is off by up to {eager_off.max().item():.3g}"
