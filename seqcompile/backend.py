@@ -127,13 +127,12 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
         gm,
         state.fake_mode,
         state.report,
-        state.name,
         training,
         grad_inputs,
         state.options,
         fuse_only=state.fuse_only,
     )
-    apply_user_patterns(ctx, state.fake_inputs)
+    apply_user_patterns(ctx)
     run_patterns(builtin_patterns(), ctx)
     fuse_regions(ctx)
     state.sites = ctx.sites

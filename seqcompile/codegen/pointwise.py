@@ -300,8 +300,10 @@ def render(
     rank: int,
     mode: str,
     region: str,
+    label: str | None = None,
 ) -> tuple[KernelSpec, tuple[str, ...]]:
-    """The `mode` ("forward" or "backward") kernel of `region`, computing `gm`: placeholder i
+    """The `mode` ("forward" or "backward") kernel of `region` (named after `label`, a user
+    pattern, when given), computing `gm`: placeholder i
     is read as `operands[i]` (None: unused), and the graph's i-th output is stored to the tensor
     parameter `outputs[i]`. Returns the spec and the kernel's parameter names in order (tensors
     by name; `<name>_stride<d>`, `size<d>`, `inner<d>`, `N`, `SEED`, `stream`)."""
@@ -386,6 +388,7 @@ def render(
         philox=masks,
         params=tuple(params),
         body=tuple(seed + coords + body),
+        **({"label": label} if label is not None else {}),
     )
     return spec, tuple(p for p, _ in params)
 

@@ -76,7 +76,9 @@ def prepare_kernel(spec: KernelSpec) -> KernelSource:
         if known is not None:
             return known
         generic = spec.render_body()
-        name = f"{spec.template}_{body_digest(generic)}"
+        label = dict(spec.key).get("label")  # a user pattern's name, in the file's name too
+        stem = spec.template if label is None else f"{spec.template}_{label}"
+        name = f"{stem}_{body_digest(generic)}"
         body = generic.replace("KERNEL_NAME", name)
         path = write_source(name, _header(spec), body)
         source = KernelSource(name=name, template=spec.template, key=spec.key, path=path)

@@ -27,6 +27,7 @@ from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
 from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
 from seqcompile.ops import registry
+from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.report import CompileReport, KernelUse, MemoryPlan
@@ -196,15 +197,10 @@ def list_kernels(gm: GraphModule, direction: str, state: Compile) -> None:
         if entry is None:
             continue
         _give_values(node.all_input_nodes, state.fake_mode)
+        label = entry.label_of(Call.of(node))
         for spec in registry.kernels_of(node):
             use = KernelUse(
-                prepare_kernel(spec),
-                spec,
-                state.name,
-                direction,
-                entry.name,
-                node.name,
-                site_name(node),
+                prepare_kernel(spec), spec, state.name, direction, label, node.name, site_name(node)
             )
             state.report.add_kernel(use)
 

@@ -121,6 +121,12 @@ class FusedOp:
     accumulate: Callable[..., bool] | None = None
     """`accumulate(graph, buffer, call, output)`: add output `output` of the backward `call`
     into the parameter gradient `buffer` inside the op, returning whether it could."""
+    label: Callable[[Call], str | None] | None = None
+    """The name a call's kernels go by where it is not `name` (a user pattern's region)."""
+
+    def label_of(self, call: Call) -> str:
+        named = self.label(call) if self.label is not None else None
+        return named or self.name
 
     @property
     def ops(self) -> tuple[OpOverload, ...]:

@@ -181,7 +181,7 @@ def forward_spec(
         Mask(k, p) for k, p in enumerate(region.dropout_p)
     ]
     names = [f"OUT{j}" for j in range(outputs)]
-    return render(region.forward, operands, names, rank, "forward", key)
+    return render(region.forward, operands, names, rank, "forward", key, region.name)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -205,7 +205,7 @@ def backward_spec(
     operands += [Mask(k, p) for k, p in enumerate(region.dropout_p)]
     operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(terms)]
     names = [f"DIN{j}" for j in range(len(plan.computed))]
-    return render(plan.graph, operands, names, rank, "backward", key)
+    return render(plan.graph, operands, names, rank, "backward", key, region.name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,4 +403,5 @@ ENTRY = FusedOp(
         torch.ops.seqfast.pointwise_backward.default: backward_kernels_of,
     },
     saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
+    label=lambda call: regions.lookup(call["region"]).name,
 )

@@ -48,6 +48,8 @@ class Region:
     linear biases moved into the region (eager's linear casts them to the matmul's dtype)."""
     dropout_p: tuple[float, ...]
     """Drop probability of each dropout, in the order of the mask placeholders."""
+    name: str | None = None
+    """The user pattern the region is a match of (its kernels carry the name)."""
 
     @property
     def num_inputs(self) -> int:
@@ -140,16 +142,20 @@ def register(
     input_dtypes: Sequence[torch.dtype],
     weak: Sequence[bool],
     dropout_p: Sequence[float],
+    name: str | None = None,
 ) -> Region:
-    """Trace `graph` (placeholders: inputs, then keep-masks; output: a list) and register it."""
+    """Trace `graph` (placeholders: inputs, then keep-masks; output: a list) and register it.
+    A `name` (a user pattern's) starts the key, so the kernels rendered for the region carry it."""
     module = GraphModule(torch.nn.Module(), graph)
     inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
     forward = _trace(module, inputs)
     text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    if name is not None:
+        key = f"{name}_{key}"
     region = _registry.get(key)
     if region is None:
-        region = Region(key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p))
+        region = Region(key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p), name)
         _registry[key] = region
     return region
 

@@ -45,10 +45,16 @@ Rewrite = Callable[["FuseContext"], Node]
 
 
 class Pattern(Protocol):
+    """A built-in family or a user pattern (`user.py`). `run_patterns` asks it about every node in
+    graph order, in the graph as the rewrites before left it, and applies a rewrite at once."""
+
     family: str
     """Key under which the report counts this pattern's sites."""
 
-    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None: ...
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        """The site anchored at `node`: the rewrite that fuses it, why it cannot be fused, or None
+        where no site is anchored there."""
+        ...
 
 
 @dataclasses.dataclass
@@ -58,9 +64,8 @@ class FuseContext:
     gm: GraphModule
     fake_mode: Any
     report: CompileReport
-    graph_name: str
     training: bool
-    """Whether AOTAutograd will build a backward (so backward kernels are rendered too)."""
+    """Whether AOTAutograd will build a backward (inputs may need gradients)."""
     grad_inputs: frozenset[Node] = frozenset()
     """Placeholders whose example inputs require grad (fake values in the pre-dispatch graph all
     say `requires_grad=False`)."""

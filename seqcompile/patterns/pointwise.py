@@ -3,7 +3,9 @@ supported element-wise ops of one shape becomes one `seqfast::pointwise` call wh
 generated from the region (see `ops/pointwise.py`). A linear's bias feeding a region is moved into
 it, so the matmul runs without its epilogue. A region whose value is read outside it before its
 last op is computed ahead of that read, or split there where it reads a value made after the read.
-Unsupported element-wise ops next to a region are reported with the reason the region ends there."""
+Unsupported element-wise ops next to a region are reported with the reason the region ends there.
+A pointwise user pattern's match becomes a region of its own, named after the pattern
+(`match_region`, called by the pattern as the fuse stage's engine runs it)."""
 
 from __future__ import annotations
 
@@ -28,13 +30,11 @@ from seqcompile.fx_utils import (
 from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
-from seqcompile.patterns.engine import FuseContext, Reject
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
 aten = torch.ops.aten
 FAMILY = "pointwise"
-USER_PATTERN = "seqfast_user_pattern"
-"""Node meta key a pointwise user pattern sets on the nodes of each of its matches."""
 _FOLDED_BIAS = "seqfast_folded_bias"
 """Node meta key on the add a linear's bias was moved into."""
 
@@ -194,7 +194,7 @@ class _Regions:
 
 
 def _worth_fusing(nodes: list[Node]) -> bool:
-    if any(n.target is aten.dropout.default or USER_PATTERN in n.meta for n in nodes):
+    if any(n.target is aten.dropout.default for n in nodes):
         return True
     return sum(n.target not in _CASTS for n in nodes) >= 2
 
@@ -225,8 +225,8 @@ def _fold_linear_biases(ctx: FuseContext, ok: dict[Node, bool]) -> None:
 
 
 def fuse_regions(ctx: FuseContext) -> None:
-    """Replace every region worth fusing (two or more computing ops, a dropout, or a user
-    pattern's match) with one `seqfast::pointwise` call."""
+    """Replace every region worth fusing (two or more computing ops, or a dropout) with one
+    `seqfast::pointwise` call."""
     graph = ctx.gm.graph
     refusals = {n: refusal(n) for n in graph.nodes if n.op == "call_function"}
     ok = {n: r is None for n, r in refusals.items()}
@@ -245,17 +245,19 @@ def fuse_regions(ctx: FuseContext) -> None:
     fused: set[Node] = set()
     for region in chosen:
         parts = [p for p in _placeable_parts(region, node_order(graph)) if _worth_fusing(p)]
-        if not parts and ctx.admits(_family(region), ctx.anchor(region)):
+        if not parts and ctx.admits(FAMILY, ctx.anchor(region)):
             ctx.report.missed.append(Missed(site_name(region[-1]), FAMILY, _EARLY_USE))
         for nodes in parts:
-            family, anchor = _family(nodes), ctx.anchor(nodes)
-            if not ctx.admits(family, anchor):
+            anchor = ctx.anchor(nodes)
+            if not ctx.admits(FAMILY, anchor):
                 continue
-            reason = _replace(ctx, nodes)
-            if reason is not None:
-                ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, reason))
+            fusion = _fusion(ctx, nodes)
+            if isinstance(fusion, str):
+                ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, fusion))
             else:
-                ctx.fused(family, anchor)
+                fusion(ctx)
+                ctx.fused(FAMILY, anchor)
+                ctx.report.counts[FAMILY] += 1
                 fused.update(nodes)
     for node, (reason, neighbours) in borders.items():
         if neighbours & fused:
@@ -270,6 +272,23 @@ _EARLY_USE = (
     "a value of the region is used before the region ends, ahead of a value the region reads;"
     " no part of the region split at that use is worth fusing"
 )
+USED_EARLY = "a value of the match is used before the match ends, ahead of a value it reads"
+"""Why a user pattern's match has no one place for its fused call or replacement."""
+
+
+def match_region(ctx: FuseContext, nodes: list[Node], name: str) -> Rewrite | Reject:
+    """The rewrite that fuses a match of the pointwise user pattern `name` (`nodes`, its computing
+    nodes) into a region of its own, not merged with its neighbours and named after the pattern,
+    or why the match cannot be one."""
+    refused = next((r for r in map(refusal, nodes) if r is not None), None)
+    if refused is not None:
+        return refused
+    order = node_order(ctx.gm.graph)
+    nodes = sorted(nodes, key=order.__getitem__)
+    if len(_placeable_parts(nodes, order)) > 1:
+        return Reject(USED_EARLY)
+    fusion = _fusion(ctx, nodes, name)
+    return Reject("{}", fusion) if isinstance(fusion, str) else fusion
 
 
 def _placeable_parts(nodes: list[Node], order: dict[Node, int]) -> list[list[Node]]:
@@ -313,15 +332,17 @@ class Cut:
     nodes: list[Node]
     inputs: list[Node]
     outputs: list[Node]
+    name: str | None = None
+    """The user pattern the cut is a match of: it starts the region key, so its kernels carry it."""
 
     @classmethod
-    def of(cls, nodes: list[Node]) -> Cut:
+    def of(cls, nodes: list[Node], name: str | None = None) -> Cut:
         members = set(nodes)
         inputs: list[Node] = []
         for n in nodes:
             inputs += [i for i in n.all_input_nodes if i not in members and i not in inputs]
         outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        return cls(nodes, inputs, outputs)
+        return cls(nodes, inputs, outputs, name)
 
     @property
     def dropouts(self) -> list[Node]:
@@ -348,15 +369,16 @@ class Cut:
             for i, v in zip(self.inputs, values, strict=True)
         ]
         drop_p = [float(arg(d, 1, "p")) for d in self.dropouts]
-        return regions.register(program, [v.dtype for v in values], weak, drop_p)
+        return regions.register(program, [v.dtype for v in values], weak, drop_p, self.name)
 
 
-def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
-    """Swap `nodes` (a part `_placeable_parts` gives) for one fused call, placed after the last
-    of them or, where a value of theirs is read outside before that, just before the first such
-    read; return why not when it cannot be done."""
+def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rewrite | str:
+    """The rewrite that swaps `nodes` (a part `_placeable_parts` gives; a user pattern's match
+    when `name` is given) for one fused call, placed after the last of them or, where a value of
+    theirs is read outside before that, just before the first such read; or why it cannot be
+    done. Only the rewrite changes the graph."""
     order = node_order(ctx.gm.graph)
-    cut = Cut.of(nodes)
+    cut = Cut.of(nodes, name)
     members, inputs, outputs, dropouts = set(nodes), cut.inputs, cut.outputs, cut.dropouts
     last = nodes[-1]
     readers = [u for o in outputs for u in o.users if u not in members]
@@ -373,30 +395,28 @@ def _replace(ctx: FuseContext, nodes: list[Node]) -> str | None:
     except (regions.UnsupportedRegion, Unprintable) as error:
         return str(error)
 
-    device = tensor_val(last).device
-    seed = ctx.seed(device) if dropouts else None
-    stream = ctx.next_stream() if dropouts else 0
-    for _ in dropouts[1:]:
-        ctx.next_stream()
-    ctx.site = last
-    early = first_read is not None and order[first_read] < order[last]
-    with ctx.gm.graph.inserting_before(first_read) if early else ctx.gm.graph.inserting_after(last):
-        call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
-    with ctx.gm.graph.inserting_after(call):
-        items = [insert_getitem(ctx.gm.graph, call, k) for k in range(len(outputs))]
-    for o, item in zip(outputs, items, strict=True):
-        item = ctx.in_layout_of(item, tensor_val(o))
-        o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
-    ctx.site = None
-    for n in reversed(nodes):
-        ctx.gm.graph.erase_node(n)
-    ctx.report.counts[_family(nodes)] += 1
-    return None
+    def swap(ctx: FuseContext) -> Node:
+        device = tensor_val(last).device
+        seed = ctx.seed(device) if dropouts else None
+        stream = ctx.next_stream() if dropouts else 0
+        for _ in dropouts[1:]:
+            ctx.next_stream()
+        ctx.site = last
+        early = first_read is not None and order[first_read] < order[last]
+        graph = ctx.gm.graph
+        with graph.inserting_before(first_read) if early else graph.inserting_after(last):
+            call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
+        with graph.inserting_after(call):
+            items = [insert_getitem(graph, call, k) for k in range(len(outputs))]
+        for o, item in zip(outputs, items, strict=True):
+            item = ctx.in_layout_of(item, tensor_val(o))
+            o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+        ctx.site = None
+        for n in reversed(nodes):
+            graph.erase_node(n)
+        return call
 
-
-def _family(nodes: list[Node]) -> str:
-    """The name a region counts under: the user pattern it holds a match of, or pointwise."""
-    return next((n.meta[USER_PATTERN] for n in nodes if USER_PATTERN in n.meta), FAMILY)
+    return swap
 
 
 def _is_folded_bias(node: Node, members: set[Node]) -> bool:

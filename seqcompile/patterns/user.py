@@ -1,14 +1,18 @@
-"""User patterns, written as plain PyTorch functions. With a `replacement_fn`, every match of
-`pattern_fn` is replaced by `replacement_fn`'s computation. Without one, `pattern_fn` must be
-pointwise: its matches are fused by the pointwise region fuser, which generates the kernels and
-their backward. Patterns are traced to pre-dispatch ATen and normalized like the model graph (so
-`x / 2` in a pattern still matches `x * 0.5`); they run before the built-in families, and their
-sites count under the name given. A trace holds the sizes it was made at, so each match is checked
-again, and the replacement traced, at the match's own inputs; a match that fails is refused."""
+"""User patterns, written as plain PyTorch functions and run by the fuse stage's engine like the
+built-in families (before them), each match counted under the pattern's name. With a
+`replacement_fn`, a match is replaced by `replacement_fn`'s computation; without one, `pattern_fn`
+must be pointwise and each match becomes a pointwise region of its own, its generated kernels named
+after the pattern. Patterns are traced to pre-dispatch ATen and normalized like the model graph (so
+`x / 2` in a pattern still matches `x * 0.5`); a scalar example input is a literal wildcard. A
+trace holds the sizes it was made at, so each match is checked again, and the replacement traced,
+at the match's own inputs; a match that fails is refused."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,28 +20,108 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.utils.fuser_utils import validate_partition
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
-from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from seqcompile.capture import trace_function
-from seqcompile.fx_utils import describe, fake_values, same_shape, site_name
+from seqcompile.fx_utils import (
+    describe,
+    fake_values,
+    node_order,
+    same_shape,
+    source_meta,
+    tensor_val,
+)
 from seqcompile.normalize import normalize_graph
-from seqcompile.patterns.engine import FuseContext
-from seqcompile.patterns.pointwise import USER_PATTERN, unsupported_ops
-from seqcompile.report import CompileReport, Missed
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite, run_patterns
+from seqcompile.patterns.pointwise import USED_EARLY, match_region, unsupported_ops
+from seqcompile.patterns.user_literals import (
+    LITERAL,
+    calls,
+    make_wildcards,
+    placeholders,
+    traced_pattern,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class UserPattern:
+    """A registered pattern, one `Pattern` of the fuse stage's engine: asked about a node, it
+    answers for the match whose last node that is."""
+
     name: str
     pattern_fn: Callable[..., Any]
-    pattern: GraphModule
-    """`pattern_fn` traced at the example inputs and normalized: it finds the candidate sites, and
-    each candidate is checked again at its own inputs (a trace holds the sizes it was made at)."""
     replacement_fn: Callable[..., Any] | None
-    """Traced again for every match, at its inputs; None: the matches become pointwise regions
-    with generated kernels."""
+    """Traced again for every match, at its inputs; None: each match becomes a pointwise region
+    of its own, with generated kernels."""
+    matcher: _Matcher
+    """Finds the candidates: `pattern_fn` traced at the example inputs and normalized, with each
+    literal parameter's placeholder where its value was. A candidate is checked again at its own
+    inputs (a trace holds the sizes it was made at)."""
+    literals: tuple[bool, ...]
+    """Which parameters are literal wildcards (the scalar example inputs)."""
+    examples: str
+    """The example inputs as a refusal describes them."""
+
+    @property
+    def family(self) -> str:
+        return self.name
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        """The match whose last node is `node`, checked at its own inputs: the rewrite that fuses
+        it, or why it cannot be fused; None where no match ends at `node`."""
+        match = self.matcher.match_at(node)
+        if match is None or not self._takes(match.placeholder_nodes):
+            return None
+        inputs = fake_values(match.placeholder_nodes)
+        traced = _trace_at(self.pattern_fn, inputs, ctx.fake_mode)
+        if isinstance(traced, str):
+            return Reject("pattern_fn of {!r} {}", self.name, traced)
+        normalize_graph(traced, ctx.fake_mode)
+        if not _same_match(_Matcher(traced.graph).match_at(node), match):
+            return Reject(
+                "matches {!r} as traced at the example inputs ({}) but not as traced at this"
+                " site's ({}): the pattern's trace depends on its inputs' sizes or dtypes, and"
+                " this site computes something else",
+                self.name,
+                self.examples,
+                _describe(inputs),
+            )
+        nodes = self.matcher.computing(match)
+        if self.replacement_fn is None:
+            return match_region(ctx, nodes, self.name)
+        replacement = _trace_at(self.replacement_fn, inputs, ctx.fake_mode)
+        if isinstance(replacement, str):
+            return Reject("replacement_fn of {!r} {}", self.name, replacement)
+        if replacement.graph.find_nodes(op="get_attr"):
+            return Reject(
+                "replacement_fn of {!r} makes a tensor constant (`torch.tensor(...)`), which is"
+                " not copied into the graph; write it as a Python number",
+                self.name,
+            )
+        produced = [_output_value(n) for n in _outputs(replacement.graph)]
+        replaced = fake_values(match.returning_nodes)
+        if len(produced) != len(replaced) or not all(map(_same_kind, produced, replaced)):
+            return Reject(
+                "replacement_fn of {!r} at this site's inputs ({}) returns {}, but the site"
+                " computes {}",
+                self.name,
+                _describe(inputs),
+                _describe(produced),
+                _describe(replaced),
+            )
+        where = _insertion_point(match, nodes, node)
+        if where is None:
+            return Reject(USED_EARLY)
+        return functools.partial(_inline, replacement.graph, match, nodes, where)
+
+    def _takes(self, inputs: list[Any]) -> bool:
+        """Each literal parameter met a literal (not a value the graph computes), and each tensor
+        parameter a tensor."""
+        return all(
+            isinstance(v, LITERAL) if literal else tensor_val(v) is not None
+            for v, literal in zip(inputs, self.literals, strict=True)
+        )
 
 
 _registry: dict[str, UserPattern] = {}
@@ -49,12 +133,25 @@ def register_pattern(
     example_inputs: Sequence[Any],
     replacement_fn: Callable[..., Any] | None = None,
 ) -> UserPattern:
-    """Fuse every occurrence of `pattern_fn`'s computation in every graph compiled from now on.
+    """Fuse every occurrence of `pattern_fn`'s computation in every graph compiled from now on;
+    each match counts under `name` in the report.
 
-    `example_inputs` (tensors of representative dtype and rank) are used to trace the functions;
-    each site found is then checked, and the replacement traced, at the site's own inputs.
-    With `replacement_fn`, matches are rewritten into its computation; without, `pattern_fn` must be
-    made of element-wise ops and each match gets a generated forward and backward kernel.
+    `example_inputs` are used to trace the functions: tensors of representative dtype and rank,
+    and int, float or bool literals. Each match found is checked again, and the replacement
+    traced, at the match's own inputs, so a size the functions read is right at every size.
+
+    A literal (scalar) example input is a wildcard named by its parameter: where its value lands
+    in the traced pattern, a match may hold any literal, and `pattern_fn` (for the check) and
+    `replacement_fn` get the matched value as that parameter. `lambda x, alpha: x *
+    torch.sigmoid(alpha * x)` with example alpha 1.702 matches `x * torch.sigmoid(1.5 * x)` too.
+    Literals written in `pattern_fn`'s body must match exactly. The parameter must land in the
+    trace as itself: where normalization or arithmetic changes it (`x / a` is traced as `x * 0.5`
+    for a = 2; `x * (a * 2)` folds it), this raises a ValueError; write the literal the trace
+    holds as the parameter instead (`x * inv_a`, passing 1 / a).
+
+    With `replacement_fn`, matches are rewritten into its computation; without, `pattern_fn` must
+    be made of element-wise ops and each match becomes a pointwise region of its own, with a
+    generated forward and backward kernel whose region key starts with `name`.
     Registering a name again replaces the earlier pattern."""
     from seqcompile.patterns import FAMILIES
 
@@ -67,23 +164,31 @@ def register_pattern(
             "register_pattern(name, pattern_fn, example_inputs, replacement_fn=None): the third "
             "argument is the example inputs; pass the replacement as replacement_fn="
         )
-    pattern = trace_function(pattern_fn, example_inputs, f"pattern_fn of {name!r}")
+    for k, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor | LITERAL):
+            raise TypeError(
+                f"example_inputs of {name!r} must be tensors or int, float or bool literals;"
+                f" input {k} is a {type(value).__name__}"
+            )
+    pattern = traced_pattern(pattern_fn, example_inputs, f"pattern_fn of {name!r}")
     if replacement_fn is not None:  # fails early on a function that cannot be traced at all
         trace_function(replacement_fn, example_inputs, f"replacement_fn of {name!r}")
-    fake_mode = next(
-        n.meta["val"].fake_mode
-        for n in pattern.graph.nodes
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-    )
-    normalize_graph(pattern, fake_mode)
-    if replacement_fn is None:
+    else:
         unsupported = unsupported_ops(pattern)
         if unsupported:
             raise ValueError(
                 f"pattern {name!r} has no replacement_fn, so it must be pointwise, but "
                 f"{', '.join(unsupported)} cannot join a pointwise region; pass a replacement_fn"
             )
-    registered = UserPattern(name, pattern_fn, pattern, replacement_fn)
+    make_wildcards(name, pattern_fn, example_inputs, pattern)
+    registered = UserPattern(
+        name,
+        pattern_fn,
+        replacement_fn,
+        _Matcher(pattern.graph),
+        tuple(isinstance(v, LITERAL) for v in example_inputs),
+        _describe(example_inputs),
+    )
     _registry[name] = registered
     return registered
 
@@ -97,144 +202,110 @@ def registered_patterns() -> list[UserPattern]:
     return list(_registry.values())
 
 
-def apply_user_patterns(ctx: FuseContext, fake_inputs: list[Any]) -> None:
-    """Apply every registered pattern: rewrite the matches of patterns with a replacement (fake
-    values re-derived after a change), and mark the matches of pointwise ones for the region
-    fuser, which counts them. Only matches that hold at their own inputs count (`_Sites`); the
-    others are refused in the report. A match the context does not admit is left alone."""
-    gm, fake_mode, report = ctx.gm, ctx.fake_mode, ctx.report
-    replaced = 0
-    for user in registered_patterns():
-        sites = _Sites(user, gm, fake_mode, report)
-        if user.replacement_fn is None:
-            _mark_matches(gm, user, sites)
-            continue
-
-        def admitted(match: InternalMatch, *graphs: Graph, name: str = user.name) -> bool:
-            return ctx.admits(name, _anchor(match))
-
-        def accepted(match: InternalMatch, *graphs: Graph, sites: _Sites = sites) -> bool:
-            if not sites.accepts(match):
-                return False
-            ctx.fused(sites.user.name, _anchor(match))
-            return True
-
-        matches = replace_pattern_with_filters(
-            gm,
-            user.pattern,
-            match_filters=[admitted, accepted],
-            replacement_callback=sites.replacement,
-        )
-        if matches:
-            report.counts[user.name] += len(matches)
-            replaced += len(matches)
-    if replaced:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        with fake_mode:
-            FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fake_inputs)
+def apply_user_patterns(ctx: FuseContext) -> None:
+    """The fuse stage's first pass: the registered patterns, run by the engine."""
+    run_patterns(registered_patterns(), ctx)
 
 
-def _anchor(match: InternalMatch) -> Node:
-    """The node that names a match as a site: its last output."""
-    return match.returning_nodes[-1]
+class _Matcher(SubgraphMatcher):
+    """Matches a pattern backwards from one node, as Inductor's patterns match from their anchor,
+    rather than over a whole graph: the engine asks about every node in turn, in the graph as the
+    rewrites before left it. Literals of the pattern must be equal; a placeholder where a literal
+    was in the example trace takes the literal it meets."""
 
+    def __init__(self, pattern: Graph) -> None:
+        super().__init__(pattern, remove_overlapping_matches=False)
 
-def _mark_matches(gm: GraphModule, user: UserPattern, sites: _Sites) -> None:
-    matcher = SubgraphMatcher(user.pattern.graph, ignore_literals=False)
-    for match in matcher.match(gm.graph):
-        if not sites.accepts(match):
-            continue
-        for pattern_node, node in match.nodes_map.items():
-            if pattern_node.op == "call_function" and USER_PATTERN not in node.meta:
-                node.meta[USER_PATTERN] = user.name
-
-
-@dataclasses.dataclass
-class _Traced:
-    """The pattern (and the replacement) traced at one signature of inputs."""
-
-    refusal: str | None
-    """Why no site with these inputs can be a match (the functions cannot be traced there)."""
-    sites: dict[frozenset[Node], list[Any]]
-    """The matched nodes of every match of the pattern traced here, with its inputs."""
-    replacement: GraphModule | None
-
-
-class _Sites:
-    """Checks the candidate matches of one pattern in one graph at their own inputs. The pattern
-    was traced at the example inputs, so sizes it read are literals in it: a candidate counts
-    only if `pattern_fn` traced at the candidate's inputs (fake values of their shapes, dtypes
-    and devices, symbolic sizes kept) matches the same nodes, and `replacement_fn` traced there
-    returns values of the shapes, dtypes and devices it replaces. Candidates with the same input
-    signature share the traces; refusals go to the report."""
-
-    def __init__(
-        self, user: UserPattern, gm: GraphModule, fake_mode: Any, report: CompileReport
-    ) -> None:
-        self.user, self.gm, self.fake_mode, self.report = user, gm, fake_mode, report
-        self._traced: dict[tuple[str, ...], _Traced] = {}
-        self._replacements: dict[tuple[Node, ...], Graph] = {}
-
-    def accepts(self, match: InternalMatch, *graphs: Graph) -> bool:
-        """`match` holds at its inputs (a match filter of `replace_pattern_with_filters`)."""
-        reason = self._refusal(match)
-        if reason is not None:
-            site = site_name(match.returning_nodes[-1])
-            self.report.missed.append(Missed(site, self.user.name, reason))
-        return reason is None
-
-    def replacement(self, match: InternalMatch, *graphs: Graph) -> Graph:
-        """The replacement traced at an accepted match's inputs."""
-        return self._replacements.pop(tuple(match.returning_nodes))
-
-    def _refusal(self, match: InternalMatch) -> str | None:
-        inputs = fake_values(match.placeholder_nodes)
-        traced = self._traced_at(inputs)
-        if traced.refusal is not None:
-            return traced.refusal
-        nodes = _matched_nodes(match)
-        if traced.sites.get(nodes) != match.placeholder_nodes:
-            example = _describe(fake_values(_placeholders(self.user.pattern)))
-            return (
-                f"matches {self.user.name!r} as traced at the example inputs ({example}) but not"
-                f" as traced at this site's ({_describe(inputs)}): the pattern's trace depends on"
-                " its inputs' sizes or dtypes, and this site computes something else"
-            )
-        if traced.replacement is None:
-            return None
-        produced = [_output_value(n) for n in _outputs(traced.replacement)]
-        replaced = fake_values(match.returning_nodes)
-        if len(produced) != len(replaced) or not all(
-            _same_kind(p, r) for p, r in zip(produced, replaced, strict=False)
-        ):
-            return (
-                f"replacement_fn of {self.user.name!r} at this site's inputs"
-                f" ({_describe(inputs)}) returns {_describe(produced)}, but the site computes"
-                f" {_describe(replaced)}"
-            )
-        self._replacements[tuple(match.returning_nodes)] = traced.replacement.graph
+    def match_at(self, node: Node) -> InternalMatch | None:
+        """The match whose last node in graph order is `node` (the pattern's other outputs are
+        looked for before it), or None."""
+        for anchor in self.pattern_anchors:
+            match = InternalMatch(self.pattern_anchors)
+            if not self._match_nodes(anchor, node, match):
+                continue
+            others = [a for a in self.pattern_anchors if a is not anchor]
+            found = self._with_outputs(match, others, node)
+            if found is not None and self._holds(found):
+                placeholders, outputs = self.pattern_placeholder_nodes, self.pattern_returning_nodes
+                found.placeholder_nodes = [found.nodes_map.get(p) for p in placeholders]
+                found.returning_nodes = [found.nodes_map[p] for p in outputs]
+                return found
         return None
 
-    def _traced_at(self, inputs: list[Any]) -> _Traced:
-        key = tuple(_signature(v) for v in inputs)
-        if key not in self._traced:
-            self._traced[key] = self._trace(inputs)
-        return self._traced[key]
+    def computing(self, match: InternalMatch) -> list[Node]:
+        """The matched nodes but the inputs, in the pattern's order (producers first)."""
+        return [match.nodes_map[p] for p in calls(self.pattern)]
 
-    def _trace(self, inputs: list[Any]) -> _Traced:
-        pattern = _trace_at(self.user.pattern_fn, inputs, self.fake_mode)
-        if isinstance(pattern, str):
-            return _Traced(f"pattern_fn of {self.user.name!r} {pattern}", {}, None)
-        normalize_graph(pattern, self.fake_mode)
-        matcher = SubgraphMatcher(pattern.graph, remove_overlapping_matches=False)
-        sites = {_matched_nodes(m): m.placeholder_nodes for m in matcher.match(self.gm.graph)}
-        if self.user.replacement_fn is None:
-            return _Traced(None, sites, None)
-        replacement = _trace_at(self.user.replacement_fn, inputs, self.fake_mode)
-        if isinstance(replacement, str):
-            return _Traced(f"replacement_fn of {self.user.name!r} {replacement}", {}, None)
-        return _Traced(None, sites, replacement)
+    def _with_outputs(
+        self, match: InternalMatch, outputs: list[Node], last: Node
+    ) -> InternalMatch | None:
+        """`match` with the pattern's `outputs` matched too, at nodes before `last` (trying every
+        choice)."""
+        if not outputs:
+            return match
+        for candidate in itertools.takewhile(lambda n: n is not last, last.graph.nodes):
+            if not self._nodes_are_equal(outputs[0], candidate):
+                continue
+            trial = copy.copy(match)
+            if self._match_nodes(outputs[0], candidate, trial):
+                found = self._with_outputs(trial, outputs[1:], last)
+                if found is not None:
+                    return found
+        return None
+
+    def _holds(self, match: InternalMatch) -> bool:
+        """Nothing outside the match reads its nodes but its outputs, and fusing the match makes no
+        cycle (which only several outputs can)."""
+        return self._is_contained(match.nodes_map) and (
+            len(self.pattern_anchors) == 1 or validate_partition(self.computing(match))
+        )
+
+
+def _same_match(again: InternalMatch | None, match: InternalMatch) -> bool:
+    """`again` (the pattern traced at `match`'s inputs) matches the same nodes, reading the same
+    tensors."""
+    return (
+        again is not None
+        and _matched_nodes(again) == _matched_nodes(match)
+        and _tensor_inputs(again) == _tensor_inputs(match)
+    )
+
+
+def _tensor_inputs(match: InternalMatch) -> list[Node]:
+    return [n for n in match.placeholder_nodes if isinstance(n, Node)]
+
+
+def _insertion_point(match: InternalMatch, nodes: list[Node], last: Node) -> Node | None:
+    """What a replacement of `match` (its computing `nodes`, `last` the last) goes in before:
+    `last`, or the first node outside the match that reads an output of it where that comes
+    earlier (several outputs); None where an input of the match comes after that read."""
+    if len(match.returning_nodes) == 1:
+        return last
+    order = node_order(last.graph)
+    members = set(nodes)
+    readers = [u for o in match.returning_nodes for u in o.users if u not in members]
+    first = min([*readers, last], key=order.__getitem__)
+    return first if all(order[i] < order[first] for i in _tensor_inputs(match)) else None
+
+
+def _inline(
+    replacement: Graph, match: InternalMatch, nodes: list[Node], where: Node, ctx: FuseContext
+) -> Node:
+    """Copy `replacement` (traced at `match`'s inputs) into the graph before `where`, in place of
+    the match's `nodes` (producers first): the copies keep their fake values and take the
+    anchor's source location."""
+    graph = ctx.gm.graph
+    copies = dict(zip(placeholders(replacement), match.placeholder_nodes, strict=True))
+    with graph.inserting_before(where):
+        result = graph.graph_copy(replacement, copies)
+    for n in calls(replacement):
+        copies[n].meta.update(source_meta(ctx.site))
+    results = list(result) if isinstance(result, tuple | list) else [result]
+    for old, new in zip(match.returning_nodes, results, strict=True):
+        old.replace_all_uses_with(new)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    return results[-1]
 
 
 def _trace_at(fn: Callable[..., Any], inputs: list[Any], fake_mode: Any) -> GraphModule | str:
@@ -254,12 +325,8 @@ def _matched_nodes(match: InternalMatch) -> frozenset[Node]:
     )
 
 
-def _placeholders(gm: GraphModule) -> list[Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _outputs(gm: GraphModule) -> list[Any]:
-    (output,) = gm.graph.find_nodes(op="output")
+def _outputs(graph: Graph) -> list[Any]:
+    (output,) = graph.find_nodes(op="output")
     result = output.args[0]
     return list(result) if isinstance(result, tuple | list) else [result]
 
@@ -277,12 +344,5 @@ def _same_kind(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-def _describe(values: list[Any]) -> str:
+def _describe(values: Sequence[Any]) -> str:
     return ", ".join(describe(v) for v in values)
-
-
-def _signature(value: Any) -> str:
-    """What a trace at `value` depends on: a tensor's dtype, sizes, strides and device."""
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{list(value.shape)}{value.stride()}{value.device}"
-    return f"{type(value).__name__} {value!r}"
