@@ -26,6 +26,11 @@ from torch.fx.experimental.proxy_tensor import (
     make_fx,
     track_tensor_tree,
 )
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -150,13 +155,22 @@ def _record_opaque(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return track_tensor_tree(out, proxy, constant=None, tracer=mode.tracer)
 
 
-def trace_function(fn: Any, example_inputs: Sequence[Any], what: str) -> GraphModule:
-    """`fn` traced to pre-dispatch ATen on fake copies of `example_inputs`; a ValueError naming
-    `what` if it cannot be."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [
-        fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
-    ]
+def trace_function(
+    fn: Any, example_inputs: Sequence[Any], what: str, symbolic: bool = False
+) -> GraphModule:
+    """`fn` traced to pre-dispatch ATen on fake copies of `example_inputs` (with a symbol for each
+    size where `symbolic`, as a dynamic graph has them); a ValueError naming `what` if it cannot
+    be."""
+    shape_env = ShapeEnv(duck_shape=False) if symbolic else None
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if not symbolic:
+            return fake_mode.from_tensor(t)
+        sizes = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())
+        return fake_mode.from_tensor(t, symbolic_context=sizes)
+
+    inputs = [fake(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     try:
         with fake_mode:
             # through *args, so parameters with defaults (F.relu's `inplace`) are not traced

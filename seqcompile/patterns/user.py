@@ -4,8 +4,9 @@ built-in families (before them), each match counted under the pattern's name. Wi
 must be pointwise and each match becomes a pointwise region of its own, its generated kernels named
 after the pattern. Patterns are traced to pre-dispatch ATen and normalized like the model graph (so
 `x / 2` in a pattern still matches `x * 0.5`); a scalar example input is a literal wildcard. A
-trace holds the sizes it was made at, so each match is checked again, and the replacement traced,
-at the match's own inputs; a match that fails is refused."""
+trace holds the sizes it was made at, so candidates are found with any number where it holds one
+(and by a second trace at symbolic sizes where the pattern reads a size), then checked again, and
+the replacement traced, at the match's own inputs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +45,8 @@ from seqcompile.patterns.user_literals import (
     traced_pattern,
 )
 
+log = logging.getLogger("seqcompile")
+
 
 @dataclasses.dataclass(frozen=True)
 class UserPattern:
@@ -54,10 +58,13 @@ class UserPattern:
     replacement_fn: Callable[..., Any] | None
     """Traced again for every match, at its inputs; None: each match becomes a pointwise region
     of its own, with generated kernels."""
-    matcher: _Matcher
-    """Finds the candidates: `pattern_fn` traced at the example inputs and normalized, with each
-    literal parameter's placeholder where its value was. A candidate is checked again at its own
-    inputs (a trace holds the sizes it was made at)."""
+    matchers: tuple[_Matcher, ...]
+    """Find the candidates: `pattern_fn` traced at the example inputs and normalized, with each
+    literal parameter's placeholder where its value was, and again at symbolic sizes where that
+    trace reads a size (a dynamic graph divides by a size where a static one multiplies by a
+    literal). A literal of the trace matches any literal of its type, and a size any size. A
+    candidate is checked again, literals and sizes included, with the pattern traced at its own
+    inputs."""
     literals: tuple[bool, ...]
     """Which parameters are literal wildcards (the scalar example inputs)."""
     examples: str
@@ -70,15 +77,18 @@ class UserPattern:
     def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
         """The match whose last node is `node`, checked at its own inputs: the rewrite that fuses
         it, or why it cannot be fused; None where no match ends at `node`."""
-        match = self.matcher.match_at(node)
-        if match is None or not self._takes(match.placeholder_nodes):
+        found = self._candidate(node)
+        if found is None:
             return None
+        matcher, match = found
         inputs = fake_values(match.placeholder_nodes)
         traced = _trace_at(self.pattern_fn, inputs, ctx.fake_mode)
         if isinstance(traced, str):
             return Reject("pattern_fn of {!r} {}", self.name, traced)
         normalize_graph(traced, ctx.fake_mode)
-        if not _same_match(_Matcher(traced.graph).match_at(node), match):
+        if not _same_match(_Matcher(traced.graph, exact=True).match_at(node), match):
+            if not _same_match(self.matchers[0].exactly().match_at(node), match):
+                return None  # other literals than the pattern's: another computation
             return Reject(
                 "matches {!r} as traced at the example inputs ({}) but not as traced at this"
                 " site's ({}): the pattern's trace depends on its inputs' sizes or dtypes, and"
@@ -87,7 +97,7 @@ class UserPattern:
                 self.examples,
                 _describe(inputs),
             )
-        nodes = self.matcher.computing(match)
+        nodes = matcher.computing(match)
         if self.replacement_fn is None:
             return match_region(ctx, nodes, self.name)
         replacement = _trace_at(self.replacement_fn, inputs, ctx.fake_mode)
@@ -114,6 +124,15 @@ class UserPattern:
         if where is None:
             return Reject(USED_EARLY)
         return functools.partial(_inline, replacement.graph, match, nodes, where)
+
+    def _candidate(self, node: Node) -> tuple[_Matcher, InternalMatch] | None:
+        """The first matcher's match whose last node is `node`, with a literal for each literal
+        parameter and a tensor for each tensor one."""
+        for matcher in self.matchers:
+            match = matcher.match_at(node)
+            if match is not None and self._takes(match.placeholder_nodes):
+                return matcher, match
+        return None
 
     def _takes(self, inputs: list[Any]) -> bool:
         """Each literal parameter met a literal (not a value the graph computes), and each tensor
@@ -185,12 +204,32 @@ def register_pattern(
         name,
         pattern_fn,
         replacement_fn,
-        _Matcher(pattern.graph),
+        tuple(
+            _Matcher(trace.graph)
+            for trace in (pattern, *_read_sizes(name, pattern_fn, example_inputs))
+        ),
         tuple(isinstance(v, LITERAL) for v in example_inputs),
         _describe(example_inputs),
     )
     _registry[name] = registered
     return registered
+
+
+def _read_sizes(
+    name: str, pattern_fn: Callable[..., Any], example_inputs: Sequence[Any]
+) -> list[GraphModule]:
+    """`pattern_fn` traced at symbolic sizes, where the trace reads a size (its own shapes,
+    computed where a static trace holds literals); nothing where it reads none, or cannot be
+    traced so (then only graphs holding the sizes as literals match)."""
+    try:
+        traced = traced_pattern(pattern_fn, example_inputs, f"pattern_fn of {name!r}", True)
+        if all(_number(n) is None for n in calls(traced.graph)):
+            return []
+        make_wildcards(name, pattern_fn, example_inputs, traced, symbolic=True)
+    except ValueError as error:
+        log.debug("pattern %r matches no size a dynamic graph computes: %s", name, error)
+        return []
+    return [traced]
 
 
 def unregister_pattern(name: str) -> None:
@@ -210,11 +249,39 @@ def apply_user_patterns(ctx: FuseContext) -> None:
 class _Matcher(SubgraphMatcher):
     """Matches a pattern backwards from one node, as Inductor's patterns match from their anchor,
     rather than over a whole graph: the engine asks about every node in turn, in the graph as the
-    rewrites before left it. Literals of the pattern must be equal; a placeholder where a literal
-    was in the example trace takes the literal it meets."""
+    rewrites before left it. A placeholder where a literal was in the example trace takes the
+    literal it meets. The pattern's other literals, and the sizes its trace computes, match any
+    number of their type that the graph holds or computes there, unless `exact`: then they must be
+    equal (the check of a candidate, with the pattern traced at its inputs)."""
 
-    def __init__(self, pattern: Graph) -> None:
+    def __init__(self, pattern: Graph, exact: bool = False) -> None:
         super().__init__(pattern, remove_overlapping_matches=False)
+        self.exact = exact
+
+    def exactly(self) -> _Matcher:
+        """This pattern's matcher whose literals must be equal."""
+        return _Matcher(self.pattern, exact=True)
+
+    def _match_nodes(
+        self, pn: Node, gn: Node, match: InternalMatch, node_name_match: str = ""
+    ) -> bool:
+        if pn.op == "placeholder" or _number(pn) is None:
+            return super()._match_nodes(pn, gn, match, node_name_match)
+        return self._same_number(pn, gn)  # a size the pattern reads off its inputs
+
+    def _match_literals(self, pn: Any, gn: Any, match: InternalMatch) -> bool:
+        if super()._match_literals(pn, gn, match):
+            return True
+        placeholder = isinstance(pn, Node) and pn.op == "placeholder"
+        return not placeholder and self._same_number(pn, gn)
+
+    def _same_number(self, pn: Any, gn: Any) -> bool:
+        """A literal of the pattern, or a size its trace computes, against the graph's: numbers of
+        one type, equal where `exact`."""
+        a, b = _number(pn), _number(gn)
+        if a is None or b is None or _kind(a) is not _kind(b):
+            return False
+        return not self.exact or statically_known_true(a == b)
 
     def match_at(self, node: Node) -> InternalMatch | None:
         """The match whose last node in graph order is `node` (the pattern's other outputs are
@@ -233,8 +300,9 @@ class _Matcher(SubgraphMatcher):
         return None
 
     def computing(self, match: InternalMatch) -> list[Node]:
-        """The matched nodes but the inputs, in the pattern's order (producers first)."""
-        return [match.nodes_map[p] for p in calls(self.pattern)]
+        """The matched nodes but the inputs and the sizes they read, in the pattern's order
+        (producers first)."""
+        return [match.nodes_map[p] for p in calls(self.pattern) if p in match.nodes_map]
 
     def _with_outputs(
         self, match: InternalMatch, outputs: list[Node], last: Node
@@ -259,6 +327,22 @@ class _Matcher(SubgraphMatcher):
         return self._is_contained(match.nodes_map) and (
             len(self.pattern_anchors) == 1 or validate_partition(self.computing(match))
         )
+
+
+_SYMBOLIC = {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}
+
+
+def _number(value: Any) -> Any:
+    """The number a literal is, or that a graph node computes (a size, symbolic in a dynamic
+    graph); None for anything else."""
+    if isinstance(value, Node):
+        value = value.meta.get("val")
+        return value if type(value) in _SYMBOLIC else None
+    return value if type(value) in (bool, int, float) else None
+
+
+def _kind(number: Any) -> type:
+    return _SYMBOLIC.get(type(number), type(number))
 
 
 def _same_match(again: InternalMatch | None, match: InternalMatch) -> bool:

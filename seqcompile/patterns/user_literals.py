@@ -20,9 +20,12 @@ LITERAL = bool | int | float
 """Types of the example inputs that are literal wildcards."""
 
 
-def traced_pattern(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> GraphModule:
-    """`fn` traced at `inputs` and normalized like the model graph."""
-    pattern = trace_function(fn, inputs, what)
+def traced_pattern(
+    fn: Callable[..., Any], inputs: Sequence[Any], what: str, symbolic: bool = False
+) -> GraphModule:
+    """`fn` traced at `inputs` (at symbolic sizes where `symbolic`) and normalized like the model
+    graph."""
+    pattern = trace_function(fn, inputs, what, symbolic)
     fake_mode = next(
         n.meta["val"].fake_mode
         for n in pattern.graph.nodes
@@ -33,12 +36,16 @@ def traced_pattern(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> 
 
 
 def make_wildcards(
-    name: str, pattern_fn: Callable[..., Any], example_inputs: Sequence[Any], pattern: GraphModule
+    name: str,
+    pattern_fn: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    pattern: GraphModule,
+    symbolic: bool = False,
 ) -> None:
     """Put each literal parameter's placeholder into `pattern` (`pattern_fn` traced at
-    `example_inputs`) where its value lands: where the literal changes when the pattern is traced
-    again with another value for it. A ValueError where the value does not land as itself, or a
-    parameter is not used."""
+    `example_inputs`, at symbolic sizes where `symbolic`) where its value lands: where the literal
+    changes when the pattern is traced again with another value for it. A ValueError where the
+    value does not land as itself, or a parameter is not used."""
     inputs_of = placeholders(pattern.graph)
     nodes = calls(pattern.graph)
     for k, value in enumerate(example_inputs):
@@ -47,7 +54,7 @@ def make_wildcards(
         parameter, other = parameter_name(pattern_fn, k), _another(value)
         inputs = [*example_inputs[:k], other, *example_inputs[k + 1 :]]
         what = f"pattern_fn of {name!r} with {parameter}={other!r}"
-        again = calls(traced_pattern(pattern_fn, inputs, what).graph)
+        again = calls(traced_pattern(pattern_fn, inputs, what, symbolic).graph)
         found = _where_literal(nodes, again, value, other)
         if isinstance(found, str):
             raise ValueError(

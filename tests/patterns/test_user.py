@@ -187,6 +187,32 @@ def test_a_pattern_whose_trace_holds_a_size_matches_only_where_it_holds(
     )
 
 
+def split_pairs(x):
+    return x.view(x.shape[0], -1, 2).sum(-1)
+
+
+def split_pairs_by_unflatten(x):
+    return x.unflatten(-1, (-1, 2)).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "pattern,replacement",
+    [(mean_by_sum, mean_last), (split_pairs, split_pairs_by_unflatten)],
+    ids=["divides by the width", "views at the batch size"],
+)
+@pytest.mark.parametrize("dynamic,compiles", [(False, 3), (True, 1)])
+def test_a_pattern_that_reads_a_size_matches_the_same_code_at_every_size(
+    registered, pattern, replacement, dynamic, compiles
+):
+    """Traced at (4, 8), the pattern holds 1/8 or a view to [4, -1, 2]; the model runs the same
+    code at other sizes (literals of its own where static, sizes it computes where dynamic)."""
+    registered("sized", pattern, [torch.randn(4, 8)], replacement)
+    report = run_at_sizes(lambda x: pattern(x) * 2, [(3, 64), (5, 16), (2, 6)], dynamic)
+    assert len(report.graphs) == compiles, report
+    assert report.counts["sized"] == compiles, f"one site per compile\n{report}"
+    assert not report.missed, report
+
+
 @pytest.mark.parametrize(
     "shape,counts,missed",
     [
