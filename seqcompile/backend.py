@@ -92,6 +92,9 @@ class GraphCompile:
                 uses.setdefault(use.name, []).append(use)
             for name, launched in uses.items():
                 (kernels / f"{name}.py").write_text(dump.kernel_file(launched))
+            for stale in kernels.glob("*.py"):  # launched by a compile `verify` replaced
+                if stale.stem not in uses:
+                    stale.unlink()
             (self.dump_dir / "report.txt").write_text(str(self.report))
 
 
@@ -335,6 +338,7 @@ def _verify(
 
     def run(*args: Any) -> Any:
         if not chosen:
+            recompiled: list[tuple[Callable[..., Any], CompileReport]] = []
 
             def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
                 # with dynamic shapes, at the symbolic sizes, so the result serves every size
@@ -342,6 +346,7 @@ def _verify(
                     gm, symbolic or args, quiet, only, name=f"{state.name}_without_some_sites"
                 )
                 _release(again_state)
+                recompiled.append((again, again_state.report))
                 return again, again_state.sites
 
             result, finding = verify.verified(
@@ -355,10 +360,15 @@ def _verify(
                 state.draws_random,
             )
             found = CompileReport(verified=[finding])
+            if result is not compiled:  # what runs now launches other kernels, or none
+                found.withdrawn = (state.name,)
             if result is gm:  # running eager: nothing is fused
                 found.counts.subtract(state.report.counts)
             else:
                 found.counts.subtract(site.split(":")[0] for site in finding.left_unfused)
+                kept = next((r for c, r in recompiled if c is result), CompileReport())
+                found.kernels, found.memory = kept.kernels, kept.memory
+                found.variants = kept.variants
             found.missed += [
                 Missed(state.name, "verify", f"left unfused: {site}")
                 for site in finding.left_unfused

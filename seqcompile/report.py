@@ -89,7 +89,7 @@ class MemoryPlan:
 class CompileReport:
     counts: Counter[str] = dataclasses.field(default_factory=Counter)
     missed: list[Missed] = dataclasses.field(default_factory=list)
-    kernels: list[KernelSource] = dataclasses.field(default_factory=list)
+    kernels: list[KernelUse] = dataclasses.field(default_factory=list)
     memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
     graphs: list[str] = dataclasses.field(default_factory=list)
     verified: list[Finding] = dataclasses.field(default_factory=list)
@@ -97,12 +97,19 @@ class CompileReport:
     variants: list[str] = dataclasses.field(default_factory=list)
     """Fused ops whose backward stage 5 changed to another variant (an in-place twin, a
     region backward adding its gradient terms), as "graph: node: variant"."""
+    withdrawn: tuple[str, ...] = ()
+    """Graphs whose kernels, memory plans and backward variants this report takes back where it is
+    merged: `verify` replaced their compile (by one without some sites, or by eager)."""
 
-    def add_kernel(self, kernel: KernelSource) -> None:
+    def add_kernel(self, kernel: KernelUse) -> None:
         if kernel not in self.kernels:
             self.kernels.append(kernel)
 
     def merge(self, other: CompileReport) -> None:
+        gone = set(other.withdrawn)
+        self.kernels = [k for k in self.kernels if k.graph not in gone]
+        self.memory = [m for m in self.memory if m.graph not in gone]
+        self.variants = [v for v in self.variants if v.split(":", 1)[0] not in gone]
         self.counts.update(other.counts)
         self.missed.extend(other.missed)
         for kernel in other.kernels:

@@ -5,6 +5,7 @@ a reproduction script, and shown in the report."""
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,12 @@ def test_a_wrong_backward_is_found_left_unfused_reported_and_written_up(monkeypa
     assert first.counts["norm"] == 0 and first.counts["attention"] == 1
     assert "the gradient of input" in finding.verdict
     assert "left unfused: norm:layer_norm" in str(first)
+    # the kernels, memory plan and dump are those of the compile that runs, without the norm
+    assert {k.op for k in first.kernels} == {"attention", "pointwise"}
+    assert {k.graph for k in first.kernels} == {m.graph for m in first.memory}
+    assert [m.graph.endswith("_without_some_sites") for m in first.memory] == [True]
+    dumped = {p.name.split("_")[0] for p in (Path(finding.repro).parent / "kernels").iterdir()}
+    assert dumped == {"attention", "pointwise"}
 
     monkeypatch.setattr(norm_reference, "backward", real_backward)
     script = subprocess.run(
