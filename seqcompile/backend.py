@@ -30,6 +30,7 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile import dump, structure, verify
+from seqcompile.fx_utils import has_symbols
 from seqcompile.memory import accumulate
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
@@ -81,6 +82,21 @@ class GraphCompile:
             text = gm if isinstance(gm, str) else dump.graph_text(gm)
             (self.dump_dir / f"{self._dumped:02d}_{stage}.py").write_text(text)
             self._dumped += 1
+
+    def write_unfinished(self, error: BaseException) -> None:
+        """Say in `report.txt` that this compile stopped, and why: the dump holds the stages it
+        finished."""
+        if self.dump_dir is None:
+            return
+        why = f"{type(error).__name__}: {error}".rstrip(": ")
+        if isinstance(error, capture_mod.Uncompilable):
+            why += "\nThe graph runs as Dynamo captured it."
+        elif isinstance(error, torch._dynamo.exc.RestartAnalysis):
+            why += "\nDynamo traces the frame again and hands it over as the next graph."
+        (self.dump_dir / "report.txt").write_text(
+            f"{self.name} did not finish compiling; the files here are the stages it finished.\n"
+            f"{why}\n"
+        )
 
     def write_report(self) -> None:
         """Write `report.txt`, and each kernel the graphs launch headed with where they do."""
@@ -272,10 +288,11 @@ def seqfast(
         _configure_log(opts.log)
     if opts.disable:
         return gm.forward
+    name = f"graph_{next(_graph_ids)}"
     try:
-        compiled, state = _compile(gm, example_inputs, opts)
+        compiled, state = _compile(gm, example_inputs, opts, name=name)
     except capture_mod.Uncompilable as reason:
-        return _as_captured(gm, str(reason))
+        return _as_captured(gm, str(reason), name)
     if opts.verify:
         compiled = _verify(gm, opts, compiled, state)
     _release(state)
@@ -286,9 +303,8 @@ def seqfast(
     return compiled
 
 
-def _as_captured(gm: GraphModule, reason: str) -> Callable[..., Any]:
+def _as_captured(gm: GraphModule, reason: str, name: str) -> Callable[..., Any]:
     """Run the graph as Dynamo captured it, saying why in a warning and the report."""
-    name = f"graph_{next(_graph_ids)}"
     warnings.warn(f"seqfast: {name} runs as captured, nothing fused: {reason}", stacklevel=2)
     report = CompileReport(graphs=[name])
     report.missed.append(Missed(name, "graph", f"runs as captured, nothing fused: {reason}"))
@@ -314,11 +330,15 @@ def _compile(
     state.dump("dynamo", gm)
     dump.write_rerun(state.dump_dir, state.name, gm, example_inputs, opts)
     shape = structure.signature(gm, meta_key="example_value")
-    for stage in STAGES:
-        gm = stage(gm, state)
-        state.dump(stage.__name__, gm)
-        shape = structure.check(stage.__name__, gm, shape)
-    return differentiate(gm, state), state
+    try:
+        for stage in STAGES:
+            gm = stage(gm, state)
+            state.dump(stage.__name__, gm)
+            shape = structure.check(stage.__name__, gm, shape)
+        return differentiate(gm, state), state
+    except BaseException as error:
+        state.write_unfinished(error)
+        raise
 
 
 def _release(state: GraphCompile) -> None:
@@ -334,7 +354,7 @@ def _verify(
     own and added to the dump's report."""
     quiet = dataclasses.replace(opts, dump_dir=None, verify=False)
     chosen: list[Callable[..., Any]] = []
-    symbolic = list(state.fake_inputs) if _has_symbols(state.fake_inputs) else None
+    symbolic = list(state.fake_inputs) if has_symbols(state.fake_inputs) else None
 
     def run(*args: Any) -> Any:
         if not chosen:
@@ -380,11 +400,3 @@ def _verify(
         return chosen[0](*args)
 
     return run
-
-
-def _has_symbols(values: Sequence[Any]) -> bool:
-    return any(
-        isinstance(v, torch.SymInt)
-        or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
-        for v in values
-    )

@@ -16,7 +16,7 @@ from torch._dynamo.debug_utils import NNModuleToString
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Graph, GraphModule
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx_utils import concrete, has_symbols
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.report import KernelUse
@@ -82,8 +82,9 @@ def write_rerun(
     modes = [f"torch.set_grad_enabled({torch.is_grad_enabled()})"]
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         modes.append(f"torch.autocast({device!r}, {torch.get_autocast_dtype(device)})")
+    dynamic = ", dynamic=True" if _symbolic(gm) else ""
     main = f"    with {', '.join(modes)}:\n" + (
-        '        compiled = torch.compile(Repro(), backend="seqfast", options=OPTIONS)\n'
+        f'        compiled = torch.compile(Repro(), backend="seqfast", options=OPTIONS{dynamic})\n'
         "        result = compiled(*inputs())\n"
         "        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]\n"
         "        grads = [t for t in outputs if t.requires_grad and t.is_floating_point()]\n"
@@ -101,10 +102,17 @@ def write_rerun(
             " kernels under Triton's interpreter, on CPU)",
             gm,
             inputs,
-            f"from torch.utils._pytree import tree_leaves\n\nOPTIONS = {{\n{lines},\n}}",
+            "from torch.utils._pytree import tree_leaves\n\n"
+            "import seqcompile  # noqa: F401 (before torch.compile, so SEQFAST_INTERPRET applies)"
+            f"\n\nOPTIONS = {{\n{lines},\n}}",
             main,
         )
     )
+
+
+def _symbolic(gm: GraphModule) -> bool:
+    """Whether Dynamo traced `gm` at symbolic sizes (a dynamic compile)."""
+    return has_symbols([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")])
 
 
 def _option_value(value: Any) -> Any:

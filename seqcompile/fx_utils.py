@@ -43,6 +43,15 @@ def fake_values(tree: Any) -> Any:
     return tree_map(lambda a: val(a) if isinstance(a, Node) else a, tree)
 
 
+def has_symbols(values: Sequence[Any]) -> bool:
+    """Whether any of `values` is a symbolic int or a tensor with a symbolic size."""
+    return any(
+        isinstance(v, torch.SymInt)
+        or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
+        for v in values
+    )
+
+
 def tensor_val(node: Any) -> torch.Tensor | None:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None

@@ -199,13 +199,17 @@ def _differentiable_inputs(gm: GraphModule, meta_key: str) -> frozenset[int]:
 
 
 def _written(node: Node) -> Node | None:
-    """The tensor an in-place op writes (its first argument), or None."""
+    """The tensor an in-place op writes (the argument its schema marks written, else the first of
+    a method or function named with a trailing underscore), or None."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        written = [
+            value
+            for argument, value in zip(node.target._schema.arguments, node.args, strict=False)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        return written[0] if written and isinstance(written[0], Node) else None
     if not node.args or not isinstance(node.args[0], Node):
         return None
-    if isinstance(node.target, torch._ops.OpOverload):
-        arguments = node.target._schema.arguments
-        alias = arguments[0].alias_info if arguments else None
-        return node.args[0] if alias is not None and alias.is_write else None
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     in_place = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
     return node.args[0] if in_place else None

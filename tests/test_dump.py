@@ -130,14 +130,15 @@ def test_stage_5_passes_are_dumped_in_order_after_differentiate(tmp_path):
 
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "add_norm_bwd")
 def test_rerun_script_compiles_the_graph_again_in_a_fresh_process(impl, tmp_path):
-    """Under the kernel tier the script inherits SEQFAST_INTERPRET=1 and runs the kernels too."""
+    """Under the kernel tier the script inherits SEQFAST_INTERPRET=1 (and not TRITON_INTERPRET,
+    which the script's import of seqcompile sets) and runs the kernels too."""
     graph = compiled_step(Block(), [ids()], tmp_path, reuse_saved=False)
     script = (graph / "rerun.py").read_text()
     assert "'reuse_saved': False" in script and "dump_dir" not in script
     result = subprocess.run(
         [sys.executable, "rerun.py"],
         cwd=graph,
-        env=dict(os.environ),
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -162,3 +163,53 @@ def test_rerun_keeps_the_grad_and_autocast_modes(tmp_path):
     (graph,) = tmp_path.iterdir()
     script = (graph / "rerun.py").read_text()
     assert "with torch.set_grad_enabled(False), torch.autocast('cpu', torch.bfloat16):" in script
+
+
+def test_rerun_of_a_dynamic_graph_compiles_at_symbolic_sizes(tmp_path):
+    def fn(x):
+        return torch.sin(x.view(x.shape[0], -1, 2)).sum(-1) * 3
+
+    compiled = torch.compile(
+        fn, backend="seqfast", dynamic=True, options={"dump_dir": str(tmp_path / "first")}
+    )
+    compiled(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    (graph,) = [g for g in (tmp_path / "first").iterdir() if (g / "04_differentiate.py").exists()]
+    assert "dynamic=True" in (graph / "rerun.py").read_text()
+    again = tmp_path / "again"
+    result = subprocess.run(
+        [sys.executable, "rerun.py"],
+        cwd=graph,
+        env={**os.environ, "SEQFAST_DUMP_DIR": str(again)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (rerun,) = again.iterdir()
+    placeholders = re.findall(r'L_\w+: "f32\[([^]]*)\]', (rerun / "00_dynamo.py").read_text())
+    assert placeholders and all(re.fullmatch(r"s\d+, s\d+", p) for p in placeholders)
+
+
+def test_a_compile_that_stops_says_so_in_its_folder(tmp_path, monkeypatch):
+    import seqcompile.backend as backend
+
+    def broken(gm, state):
+        raise RuntimeError("the normalize stage broke")
+
+    broken.__name__ = "normalize"
+    stages = [broken if s.__name__ == "normalize" else s for s in backend.STAGES]
+    monkeypatch.setattr(backend, "STAGES", stages)
+    with pytest.raises(Exception, match="the normalize stage broke"):
+        torch.compile(lambda x: x * 2, backend="seqfast", options={"dump_dir": str(tmp_path)})(
+            torch.randn(3)
+        )
+    (graph,) = tmp_path.iterdir()
+    assert sorted(p.name for p in graph.iterdir()) == [
+        "00_dynamo.py",
+        "01_capture.py",
+        "report.txt",
+        "rerun.py",
+    ]
+    report = (graph / "report.txt").read_text()
+    assert "did not finish compiling" in report
+    assert "RuntimeError: the normalize stage broke" in report

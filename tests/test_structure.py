@@ -155,3 +155,14 @@ def test_correct_graphs_with_in_place_ops_under_no_grad_or_detaches_pass(fn):
     fn(x, w_eager).sum().backward()
     torch.compile(fn, backend="seqfast")(x, w_fast).sum().backward()
     torch.testing.assert_close(w_fast.grad, w_eager.grad)
+
+
+def test_an_op_is_known_to_write_the_argument_its_schema_marks():
+    """The loss backward's in-place twin writes its second argument, the logits."""
+    graph = torch.fx.Graph()
+    grad, logits, target, lse = (graph.placeholder(name) for name in ("g", "l", "t", "s"))
+    twin = torch.ops.seqfast.cross_entropy_backward_in_place.default
+    call = graph.call_function(twin, (grad, logits, target, lse, -100, 0.0))
+    scaled = graph.call_function(torch.ops.aten.mul_.Scalar, (grad, 2.0))
+    assert structure._written(call) is logits
+    assert structure._written(scaled) is grad

@@ -10,6 +10,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.fx_utils import concrete
+from seqcompile.ops import registry
 
 
 def tensor_bytes(value: torch.Tensor) -> int:
@@ -34,5 +35,4 @@ def is_fused_output(node: Node) -> bool:
     while node.op == "call_function" and node.target in _ALIASES:
         node = node.args[0]
     source = node.args[0] if node.target is operator.getitem else node
-    target = getattr(source, "target", None)
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "seqfast"
+    return registry.entry_of(source) is not None

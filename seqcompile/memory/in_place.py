@@ -44,7 +44,9 @@ def write_over_saved(
         ):
             continue
         with backward.graph.inserting_before(node):
-            twin = backward.graph.call_function(entry.in_place.twin, call.arguments())
+            twin = backward.graph.call_function(
+                entry.in_place.twin, call.arguments_of(entry.in_place.twin)
+            )
         twin.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         twin.meta["val"] = None
         node.replace_all_uses_with(over)
@@ -76,11 +78,14 @@ def _private_saved(forward: GraphModule, num_fwd_outputs: int) -> set[str]:
 
 
 def _same_layout(saved: Node, call: Node) -> bool:
-    """The result the op would allocate has the saved tensor's shape and dtype."""
+    """The result the op would allocate has the saved tensor's shape, dtype and strides (so the
+    twin writes straight into it, and the readers of the result see the layout they were traced
+    with)."""
     result, value = tensor_val(call), tensor_val(saved)
     return (
         result is not None
         and value is not None
         and result.dtype == value.dtype
         and result.shape == value.shape
+        and result.stride() == value.stride()
     )

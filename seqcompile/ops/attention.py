@@ -72,12 +72,31 @@ def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
     return backward_specs(bias_grad=call["bias_grad"], **_flags(call))
 
 
-def flops(call: Call) -> int:
-    """The two products of a forward call (half of them when causal)."""
+def _products(call: Call, q_dims: int, v_dims: int) -> int:
+    """FLOPs of products over the scores, `q_dims` of them as long as q's head dim and `v_dims`
+    as v's (half of them when causal)."""
     q, k, v = (call.value(name) for name in "qkv")
-    rows = concrete(q.numel()) // concrete(q.shape[-1])
-    total = 2 * rows * concrete(k.shape[-2]) * concrete(q.shape[-1] + v.shape[-1])
+    scores = concrete(q.numel()) // concrete(q.shape[-1]) * concrete(k.shape[-2])
+    total = 2 * scores * concrete(q_dims * q.shape[-1] + v_dims * v.shape[-1])
     return total // 2 if call["causal"] else total
+
+
+def forward_flops(call: Call) -> int:
+    """q @ k^T and probs @ v."""
+    return _products(call, 1, 1)
+
+
+def backward_flops(call: Call) -> int:
+    """q @ k^T again, grad_out @ v^T, probs^T @ grad_out, dscores @ k and dscores^T @ q."""
+    return _products(call, 3, 2)
+
+
+def backward_workspace(call: Call) -> int:
+    """Each query row's delta, and the float32 bias gradient at the scores' full size before it is
+    summed to the bias's shape (when the bias needs one)."""
+    q, k = call.value("q"), call.value("k")
+    rows = concrete(q.numel()) // concrete(q.shape[-1])
+    return 4 * rows * (1 + (concrete(k.shape[-2]) if call["bias_grad"] else 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,7 +371,6 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="attention",
-    family="attention",
     forward=torch.ops.seqfast.attention.default,
     backward=(torch.ops.seqfast.attention_backward.default,),
     reference=reference.forward,
@@ -360,7 +378,11 @@ ENTRY = FusedOp(
         torch.ops.seqfast.attention.default: forward_kernels_of,
         torch.ops.seqfast.attention_backward.default: backward_kernels_of,
     },
-    saves="q, k, v, the output and two per-row statistics (row max, log-sum), never the"
-    " probabilities; the dropout mask is regenerated from the seed",
-    flops=flops,
+    saves="q, k, v, the output, two per-row statistics (row max, log-sum) and the bias and mask"
+    " as given, never the probabilities; the dropout mask is regenerated from the seed",
+    flops={
+        torch.ops.seqfast.attention.default: forward_flops,
+        torch.ops.seqfast.attention_backward.default: backward_flops,
+    },
+    workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
 )

@@ -209,7 +209,6 @@ cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="cross_entropy",
-    family="loss",
     forward=torch.ops.seqfast.cross_entropy.default,
     backward=(torch.ops.seqfast.cross_entropy_backward.default,),
     reference=reference_rows,

@@ -41,11 +41,6 @@ class Call(Mapping[str, Any]):
     def of(cls, node: Node) -> Call:
         return cls(node.target, node.args, node.kwargs)
 
-    @classmethod
-    def launched(cls, op: OpOverload, *args: Any) -> Call:
-        """The call a launcher received (its values are tensors and literals, not nodes)."""
-        return cls(op, args, {})
-
     def __getitem__(self, name: str) -> Any:
         return self._args[name]
 
@@ -67,9 +62,29 @@ class Call(Mapping[str, Any]):
             raise TypeError(f"{self.op} has no argument {', '.join(sorted(unknown))}")
         return tuple(changes.get(name, self._args[name]) for name in self.names)
 
+    def arguments_of(self, op: OpOverload) -> tuple:
+        """The positional arguments of `op` (an in-place twin, say), each taken from this call's
+        argument of the same name."""
+        names = [a.name for a in op._schema.arguments]
+        missing = [name for name in names if name not in self._args]
+        if missing:
+            raise TypeError(f"{self.op} has no argument {', '.join(missing)} that {op} takes")
+        return tuple(self._args[name] for name in names)
+
     def shown(self) -> dict[str, Any]:
         """The arguments worth printing: those that are not None."""
         return {name: v for name, v in self._args.items() if v is not None}
+
+
+def by_name(op: OpOverload, **arguments: Any) -> tuple:
+    """`op`'s positional arguments from `arguments` given by the names in its schema (defaults
+    filled in); a TypeError for a name it does not take or one it needs that is missing."""
+    schema = op._schema.arguments
+    unknown = arguments.keys() - {a.name for a in schema}
+    missing = [a.name for a in schema if a.name not in arguments and not a.has_default_value()]
+    if unknown or missing:
+        raise TypeError(f"{op}: unknown arguments {sorted(unknown)}, missing arguments {missing}")
+    return tuple(arguments.get(a.name, a.default_value) for a in schema)
 
 
 def _value(arg: Any) -> Any:
@@ -99,8 +114,6 @@ class FusedOp:
 
     name: str
     """Its readable name, the stem of its ops and the label of its kernels in the report."""
-    family: str
-    """The pattern family (report key) that makes it."""
     forward: OpOverload
     """The op the fuse stage inserts (a `torch.library` custom op): its fake implementation
     runs at compile time, its kernels on CUDA and under the interpreter."""
@@ -113,10 +126,12 @@ class FusedOp:
     """What the forward keeps for the backward, in words (the op's autograd saves it)."""
     backward: tuple[OpOverload, ...] = ()
     """The ops its backward graph calls."""
-    flops: Callable[[Call], int] | None = None
-    """FLOPs of a forward call; None: bandwidth-bound (it costs the bytes it moves)."""
-    workspace: Callable[[Call], int] | None = None
-    """Bytes a forward call allocates and frees while it runs, beyond its outputs."""
+    flops: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)
+    """For an op that does matmul-like work: the FLOPs of a call of it. An op absent is
+    bandwidth-bound (it costs the bytes it moves)."""
+    workspace: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)
+    """For an op that allocates temporaries: the bytes a call of it allocates and frees while it
+    runs, beyond its outputs."""
     in_place: InPlace | None = None
     accumulate: Callable[..., bool] | None = None
     """`accumulate(graph, buffer, call, output)`: add output `output` of the backward `call`
@@ -132,7 +147,3 @@ class FusedOp:
     def ops(self) -> tuple[OpOverload, ...]:
         twin = (self.in_place.twin,) if self.in_place is not None else ()
         return (self.forward, *self.backward, *twin)
-
-    def direction(self, op: OpOverload) -> str:
-        """ "forward" or "backward": which half of the training step a call of `op` runs in."""
-        return "forward" if op is self.forward else "backward"

@@ -39,15 +39,17 @@ def default_chunk(rows: int) -> int:
 def workspace_bytes(call: Call) -> int:
     """Bytes a call allocates and frees while it runs, beyond its outputs, at the traced sizes (for
     the memory model): copies of its inputs in `compute_dtype`, one chunk of logits and of
-    `dlogits @ weight`, and the float32 weight and bias gradients before their cast."""
+    `dlogits @ weight` (where the hidden states need a gradient), and the float32 weight and bias
+    gradients before their cast."""
     hidden, weight, bias = (call.value(name) for name in ("hidden", "weight", "bias"))
     compute_dtype, chunk, needs_grad = call["compute_dtype"], call["chunk"], call["needs_grad"]
     m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
     size = torch.empty((), dtype=compute_dtype).element_size()
     step = min(chunk if chunk > 0 else default_chunk(m), m)
-    total = step * (vocab + d) * size
+    total = step * (vocab + (d if needs_grad[0] else 0)) * size
     total += m * d * size if hidden.dtype != compute_dtype else 0
     total += vocab * d * size if weight.dtype != compute_dtype else 0
+    total += vocab * size if bias is not None and bias.dtype != compute_dtype else 0
     total += vocab * d * 4 if needs_grad[1] and weight.dtype != torch.float32 else 0
     bias_dtype = bias.dtype if bias is not None else torch.float32
     total += vocab * 4 if needs_grad[2] and bias_dtype != torch.float32 else 0
@@ -55,9 +57,11 @@ def workspace_bytes(call: Call) -> int:
 
 
 def flops(call: Call) -> int:
-    """The logits, then the hidden-state and weight gradients, all in the forward."""
+    """The logits, then the hidden-state and weight gradients where they are wanted, all in the
+    forward."""
     hidden, weight = call.value("hidden"), call.value("weight")
-    return 6 * concrete(hidden.numel()) * concrete(weight.shape[0])
+    products = 1 + sum(call["needs_grad"][:2])
+    return 2 * products * concrete(hidden.numel()) * concrete(weight.shape[0])
 
 
 def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
@@ -195,7 +199,6 @@ def accumulate(graph: Graph, buffer: Node, call: Node, output: int) -> bool:
 
 ENTRY = FusedOp(
     name="linear_cross_entropy",
-    family="loss",
     forward=torch.ops.seqfast.linear_cross_entropy.default,
     backward=(torch.ops.seqfast.linear_cross_entropy_backward.default,),
     reference=linear_cross_entropy,
@@ -205,7 +208,7 @@ ENTRY = FusedOp(
     },
     saves="the finished gradients of the hidden states, the weight and the bias (the forward"
     " computes them chunk by chunk), never the logits",
-    flops=flops,
-    workspace=workspace_bytes,
+    flops={torch.ops.seqfast.linear_cross_entropy.default: flops},
+    workspace={torch.ops.seqfast.linear_cross_entropy.default: workspace_bytes},
     accumulate=accumulate,
 )

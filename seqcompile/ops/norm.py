@@ -355,7 +355,6 @@ add_norm.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="add_norm",
-    family="norm",
     forward=torch.ops.seqfast.add_norm.default,
     backward=(torch.ops.seqfast.add_norm_backward.default,),
     reference=reference.forward,

@@ -394,7 +394,6 @@ pointwise.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="pointwise",
-    family="pointwise",
     forward=torch.ops.seqfast.pointwise.default,
     backward=(torch.ops.seqfast.pointwise_backward.default,),
     reference=reference,

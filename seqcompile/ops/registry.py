@@ -30,11 +30,6 @@ def entry_of(target: Any) -> FusedOp | None:
     return _BY_OP.get(target)
 
 
-def call_of(node: Node) -> Call | None:
-    """`node` read by argument name, when it calls a fused operator's op."""
-    return Call.of(node) if entry_of(node) is not None else None
-
-
 def kernels_of(node: Node) -> list[KernelSpec]:
     """The generated kernels a call of a fused op launches, at the traced sizes."""
     entry = entry_of(node)
@@ -46,14 +41,12 @@ def kernels_of(node: Node) -> list[KernelSpec]:
 def flops_of(node: Node) -> int | None:
     """FLOPs of a fused op's call that its entry counts; None when it gives no formula."""
     entry = entry_of(node)
-    if entry is None or entry.flops is None or node.target is not entry.forward:
-        return None
-    return entry.flops(Call.of(node))
+    formula = entry.flops.get(node.target) if entry is not None else None
+    return formula(Call.of(node)) if formula is not None else None
 
 
 def workspace_of(node: Node) -> int:
     """Bytes a fused op's call allocates and frees while it runs."""
     entry = entry_of(node)
-    if entry is None or entry.workspace is None or node.target is not entry.forward:
-        return 0
-    return entry.workspace(Call.of(node))
+    formula = entry.workspace.get(node.target) if entry is not None else None
+    return formula(Call.of(node)) if formula is not None else 0

@@ -459,11 +459,20 @@ def _rewrite(site: Site, name: str) -> Rewrite:
             seed = ctx.seed(out_val.device) if site.p > 0 else None
             stream = ctx.next_stream() if site.p > 0 else 0
             masked_value = site.masked_value if site.masked_value is not None else -math.inf
-            fused = ctx.call(
+            fused = ctx.call_fused(
                 torch.ops.seqfast.attention.default,
-                q, k, v, bias, mask, seed, stream, site.p, site.scale, site.causal,
-                masked_value,
-            )  # fmt: skip
+                q=q,
+                k=k,
+                v=v,
+                bias=bias,
+                mask=mask,
+                seed=seed,
+                stream=stream,
+                p=site.p,
+                scale=site.scale,
+                causal=site.causal,
+                masked_value=masked_value,
+            )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
                 sizes = ctx.sizes(site.v, _batch_dims(site.v)) + ctx.sizes(out, (-2, -1))

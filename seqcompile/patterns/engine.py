@@ -19,6 +19,7 @@ from seqcompile.fx_utils import (
     source_meta,
     tensor_val,
 )
+from seqcompile.ops.fused_op import by_name
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
@@ -87,6 +88,10 @@ class FuseContext:
         if self.site is not None:
             node.meta.update(source_meta(self.site))
         return node
+
+    def call_fused(self, op: Any, **arguments: Any) -> Node:
+        """A call of the fused op `op`, its arguments given by the names in its schema."""
+        return self.call(op, *by_name(op, **arguments))
 
     def in_layout_of(self, value: Node, like: torch.Tensor) -> Node:
         return in_layout_of(self, value, like)

@@ -217,21 +217,31 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
         if tensor_val(target).dim() > 1:
             target = ctx.call(aten.reshape.default, target, [-1])
         if linear is None:
-            fused = ctx.call(
+            fused = ctx.call_fused(
                 torch.ops.seqfast.cross_entropy.default,
-                _rows(ctx, loss), target, loss.ignore_index, loss.smoothing,
-            )  # fmt: skip
+                logits=_rows(ctx, loss),
+                target=target,
+                ignore_index=loss.ignore_index,
+                smoothing=loss.smoothing,
+            )
             result = _reduce(ctx, loss, insert_getitem(ctx.gm.graph, fused, 0))
         else:
             width = tensor_val(linear.hidden).shape[-1]
             hidden = ctx.call(aten.reshape.default, linear.hidden, [-1, width])
             needs = [ctx.requires_grad(n) for n in (linear.hidden, linear.weight, linear.bias)]
-            fused = ctx.call(
+            fused = ctx.call_fused(
                 torch.ops.seqfast.linear_cross_entropy.default,
-                hidden, linear.weight, linear.bias, target, loss.ignore_index,
-                loss.smoothing, loss.reduction == _MEAN, ctx.options.loss_chunk,
-                tensor_val(linear.node).dtype, needs,
-            )  # fmt: skip
+                hidden=hidden,
+                weight=linear.weight,
+                bias=linear.bias,
+                target=target,
+                ignore_index=loss.ignore_index,
+                smoothing=loss.smoothing,
+                mean=loss.reduction == _MEAN,
+                chunk=ctx.options.loss_chunk,
+                compute_dtype=tensor_val(linear.node).dtype,
+                needs_grad=needs,
+            )
             result = insert_getitem(ctx.gm.graph, fused, 0)
         if tensor_val(result).dtype != out_dtype:
             result = ctx.call(aten.to.dtype, result, out_dtype)

@@ -301,11 +301,21 @@ def _rewrite(
             stream = ctx.next_stream() if prologue.p > 0 else 0
             sum_dtype = tensor_val(prologue.total or core.input).dtype
             eps = core.eps if core.eps is not None else torch.finfo(torch.float32).eps
-            fused = ctx.call(
+            fused = ctx.call_fused(
                 torch.ops.seqfast.add_norm.default,
-                x, prologue.residual, prologue.branch_bias, core.weight, core.bias, seed, stream,
-                prologue.p, eps, core.rms, out_val.dtype, sum_dtype,
-            )  # fmt: skip
+                x=x,
+                residual=prologue.residual,
+                branch_bias=prologue.branch_bias,
+                weight=core.weight,
+                bias=core.bias,
+                seed=seed,
+                stream=stream,
+                p=prologue.p,
+                eps=eps,
+                rms=core.rms,
+                out_dtype=out_val.dtype,
+                sum_dtype=sum_dtype,
+            )
             out = insert_getitem(graph, fused, 0)
             total = insert_getitem(graph, fused, 1) if readers else None
         # after every reshape and its size arguments

@@ -405,7 +405,13 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
         early = first_read is not None and order[first_read] < order[last]
         graph = ctx.gm.graph
         with graph.inserting_before(first_read) if early else graph.inserting_after(last):
-            call = ctx.call(torch.ops.seqfast.pointwise.default, inputs, seed, stream, region.key)
+            call = ctx.call_fused(
+                torch.ops.seqfast.pointwise.default,
+                inputs=inputs,
+                seed=seed,
+                stream=stream,
+                region=region.key,
+            )
         with graph.inserting_after(call):
             items = [insert_getitem(graph, call, k) for k in range(len(outputs))]
         for o, item in zip(outputs, items, strict=True):

@@ -90,20 +90,47 @@ def test_fused_calls_are_read_by_argument_name():
         call.arguments(epsilon=0.5)
 
 
-def test_attention_flops_come_from_its_entry_for_the_cost_model():
+def test_attention_flops_and_workspace_come_from_its_entry_for_the_cost_and_memory_models():
     """The roofline's price of a fused attention is the entry's formula: 2 products of
-    B*H*Lq*Lk*D multiply-adds, halved when causal."""
+    B*H*Lq*Lk*D multiply-adds forward, 5 backward. The memory model adds the backward's
+    workspace while it runs: a float32 delta per query row and, for a learned bias, its gradient
+    at the scores' full size."""
     b, h, lq, lk, d = 2, 3, 7, 9, 8
+    bias = torch.randn(1, h, lq, lk, requires_grad=True)
 
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
+    def attend(q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     q = torch.randn(b, h, lq, d, requires_grad=True)
     k, v = (torch.randn(b, h, lk, d, requires_grad=True) for _ in range(2))
-    _, forward, _ = _compiled_graphs(attend, q, k, v)
+    _, forward, backward = _compiled_graphs(attend, q, k, v, bias)
     (node,) = [n for n in forward.graph.nodes if n.target is torch.ops.seqfast.attention.default]
-    expected = 2 * b * h * lq * lk * (d + d)
-    assert registry.flops_of(node) == expected == node_cost(node).flops
+    assert registry.flops_of(node) == 2 * b * h * lq * lk * (d + d) == node_cost(node).flops
+    (grad,) = [
+        n for n in backward.graph.nodes if n.target is torch.ops.seqfast.attention_backward.default
+    ]
+    assert registry.flops_of(grad) == 2 * b * h * lq * lk * (3 * d + 2 * d)
+    assert node_cost(grad).flops == registry.flops_of(grad)
+    assert registry.workspace_of(grad) == 4 * b * h * lq * (1 + lk)
+    with_workspace = step_memory(forward, backward, 1, set())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "workspace_of", lambda n: 0)
+        without = step_memory(forward, backward, 1, set())
+    assert with_workspace.peak_bytes > without.peak_bytes
+
+
+@pytest.mark.parametrize("frozen, products", [(False, 3), (True, 2)])
+def test_the_fused_loss_flops_count_the_gradients_it_makes(frozen, products):
+    hidden = torch.randn(16, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=not frozen)
+    target = torch.randint(0, 40, (16,))
+    _, forward, _ = _compiled_graphs(
+        lambda h, w, t: F.cross_entropy(F.linear(h, w), t), hidden, weight, target
+    )
+    (node,) = [
+        n for n in forward.graph.nodes if n.target is torch.ops.seqfast.linear_cross_entropy.default
+    ]
+    assert registry.flops_of(node) == 2 * products * 16 * 8 * 40 == node_cost(node).flops
 
 
 def test_the_fused_loss_workspace_is_counted_at_its_node():

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops.fused_op import Call
 from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.patterns.pointwise import region_of_function
 
@@ -55,7 +56,7 @@ def test_a_sum_read_after_the_backward_folds_and_is_written():
     assert fold_gradient_sums(gm)
     assert not calls(gm, ADD)
     (call,) = calls(gm, BACKWARD)
-    assert call.args[6:8] == ([2], [True])
+    assert (Call.of(call)["grad_terms"], Call.of(call)["written"]) == ([2], [True])
     for got, want in zip(gm(*args), expected, strict=True):
         torch.testing.assert_close(got, want)
 
@@ -71,7 +72,7 @@ def test_nested_sums_fold_into_one_call():
     expected = gm(*args)
     assert fold_gradient_sums(gm)
     (call,) = calls(gm, BACKWARD)
-    assert call.args[6:8] == ([3], [False])
+    assert (Call.of(call)["grad_terms"], Call.of(call)["written"]) == ([3], [False])
     assert not calls(gm, ADD)
     torch.testing.assert_close(gm(*args), expected)
 
@@ -87,7 +88,7 @@ def test_a_nested_sum_read_elsewhere_stays_one_term():
     assert fold_gradient_sums(gm)
     (call,) = calls(gm, BACKWARD)
     (inner,) = calls(gm, ADD)
-    assert call.args[1][0] is inner and call.args[6] == [2]
+    assert Call.of(call)["grads"][0] is inner and Call.of(call)["grad_terms"] == [2]
 
 
 def test_sums_that_cannot_fold_stay():
