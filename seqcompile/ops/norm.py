@@ -89,8 +89,8 @@ def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
 
 
 def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
-    """The kernels an `add_norm_backward` call launches (the column sum only when a parameter
-    has a gradient)."""
+    """The kernels an `add_norm_backward` call launches (the column sum only when the norm has a
+    weight, bias or branch bias)."""
     residual_dtype = call["residual_dtype"]
     return backward_specs(
         sum_grad=call["grad_sum"] is not None,
