@@ -248,7 +248,8 @@ def barrier_between(first: Node, last: Node) -> bool:
 def site_name(node: Node) -> str:
     """A readable place for the report: the module path and source line that produced `node`."""
     where = []
-    stack = node.meta.get("nn_module_stack")
+    # a backward node has its forward node's module stack (AOTAutograd copies it)
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
         where.append(path.replace("L['self'].", "").replace("L['self']", "<model>"))
