@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 from torch.fx import GraphModule, Node
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers the seqfast::accumulate* ops)
@@ -121,6 +122,25 @@ def check_parameters(parameters: list[Tensor]) -> None:
             )
 
 
+def check_backward_writes_grads(parameters: list[Tensor]) -> None:
+    """Refuse a backward that autograd runs without writing every parameter's `.grad`
+    (`torch.autograd.grad`, `backward(inputs=...)` naming only some): this backward would add the
+    gradients into `.grad` anyway and hand the caller none."""
+    for p in parameters:
+        try:
+            writes = torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+        except RuntimeError:  # raised for a leaf while autograd.grad runs: it writes no .grad
+            writes = False
+        if not writes:
+            raise RuntimeError(
+                'options["accumulate_grads"] adds every parameter\'s gradient into its .grad,'
+                " but this backward asks for gradients without writing .grad for the parameter"
+                f" of shape {tuple(p.shape)} (torch.autograd.grad, or backward(inputs=...)"
+                " naming only some tensors). Call backward() without inputs=, or compile"
+                " without accumulate_grads for this use."
+            )
+
+
 def run_accumulating(
     backward: Callable[[list[Any]], Any], parameters: Callable[[], list[Tensor]]
 ) -> Callable[[list[Any]], Any]:
@@ -130,6 +150,7 @@ def run_accumulating(
     def run(args: list[Any]) -> Any:
         params = parameters()
         check_parameters(params)
+        check_backward_writes_grads(params)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -117,6 +117,42 @@ def test_a_hook_added_after_compile_is_refused_at_backward():
         step(idx, targets).backward()
 
 
+@pytest.mark.parametrize(
+    "backward",
+    [
+        lambda loss, model: torch.autograd.grad(loss, list(model.parameters())),
+        lambda loss, model: loss.backward(inputs=[model.ln_f.weight]),
+    ],
+    ids=["autograd.grad", "backward(inputs=)"],
+)
+def test_a_backward_that_writes_not_every_grad_is_refused_and_leaves_grads_alone(backward):
+    """Autograd would hand the caller gradients (or write only some .grad): the accumulating
+    backward, which adds every gradient into .grad, refuses instead of answering wrong."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    ((idx, targets),) = micro_batches(1)
+    step = compiled(model)
+    step(idx, targets).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="asks for gradients without writing .grad"):
+        backward(step(idx, targets), model)
+    for p, b in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_backward_naming_every_parameter_accumulates():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = micro_batches(2)
+    expected = accumulate(model, model, batches)
+    model.zero_grad(set_to_none=True)
+    step = compiled(model)
+    for idx, targets in batches:
+        (step(idx, targets) / 2).backward(inputs=list(model.parameters()))
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_distributed_is_refused(tmp_path):
     import torch.distributed as dist
 
