@@ -29,7 +29,7 @@ import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers its op)
 import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
-from seqcompile import dump, structure, verify
+from seqcompile import dump, dump_folder, structure, verify
 from seqcompile.fx_utils import has_symbols
 from seqcompile.memory import accumulate
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
@@ -71,7 +71,7 @@ class GraphCompile:
     def dump_dir(self) -> Path | None:
         if self.options.dump_dir is None:
             return None
-        path = Path(self.options.dump_dir) / self.name
+        path = dump_folder.run_folder(self.options.dump_dir) / self.name
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -97,6 +97,7 @@ class GraphCompile:
             f"{self.name} did not finish compiling; the files here are the stages it finished.\n"
             f"{why}\n"
         )
+        dump_folder.record(self.dump_dir.parent, self.name, "stopped: " + why.replace("\n", " "))
 
     def write_report(self) -> None:
         """Write `report.txt`, and each kernel the graphs launch headed with where they do."""
@@ -112,6 +113,10 @@ class GraphCompile:
                 if stale.stem not in uses:
                     stale.unlink()
             (self.dump_dir / "report.txt").write_text(str(self.report))
+            fused = ", ".join(f"{k} {n}" for k, n in sorted(self.report.counts.items()) if n > 0)
+            kernels = len({use.name for use in self.report.kernels})
+            summary = f"compiled: fused {fused or 'nothing'}; {kernels} kernel(s)"
+            dump_folder.record(self.dump_dir.parent, self.name, summary)
 
 
 def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:

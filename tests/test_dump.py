@@ -44,7 +44,7 @@ def compiled_step(fn, inputs, folder, **options):
         *inputs
     )
     out.sum().backward()
-    (graph,) = folder.iterdir()
+    (graph,) = folder.glob("graph_*")
     return graph
 
 
@@ -160,7 +160,7 @@ def test_a_graph_that_cannot_be_rebuilt_says_why(tmp_path):
 def test_rerun_keeps_the_grad_and_autocast_modes(tmp_path):
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         torch.compile(Block(), backend="seqfast", options={"dump_dir": str(tmp_path)})(ids())
-    (graph,) = tmp_path.iterdir()
+    (graph,) = tmp_path.glob("graph_*")
     script = (graph / "rerun.py").read_text()
     assert "with torch.set_grad_enabled(False), torch.autocast('cpu', torch.bfloat16):" in script
 
@@ -185,7 +185,7 @@ def test_rerun_of_a_dynamic_graph_compiles_at_symbolic_sizes(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    (rerun,) = again.iterdir()
+    (rerun,) = again.glob("graph_*")
     placeholders = re.findall(r'L_\w+: "f32\[([^]]*)\]', (rerun / "00_dynamo.py").read_text())
     assert placeholders and all(re.fullmatch(r"s\d+, s\d+", p) for p in placeholders)
 
@@ -203,7 +203,7 @@ def test_a_compile_that_stops_says_so_in_its_folder(tmp_path, monkeypatch):
         torch.compile(lambda x: x * 2, backend="seqfast", options={"dump_dir": str(tmp_path)})(
             torch.randn(3)
         )
-    (graph,) = tmp_path.iterdir()
+    (graph,) = tmp_path.glob("graph_*")
     assert sorted(p.name for p in graph.iterdir()) == [
         "00_dynamo.py",
         "01_capture.py",
@@ -213,3 +213,52 @@ def test_a_compile_that_stops_says_so_in_its_folder(tmp_path, monkeypatch):
     report = (graph / "report.txt").read_text()
     assert "did not finish compiling" in report
     assert "RuntimeError: the normalize stage broke" in report
+
+
+TWO_RUNS = """
+import sys, torch
+
+def step(x):
+    y = torch.sin(x) * 2
+    if sys.argv[2] == "break":
+        torch._dynamo.graph_break()
+    return torch.cos(y) + 1
+
+options = {"dump_dir": sys.argv[1]}
+torch.compile(step, backend="seqfast", options=options)(torch.randn(4, requires_grad=True))
+"""
+
+
+def test_a_run_clears_an_earlier_runs_graphs_and_indexes_its_own(tmp_path):
+    """The first run makes two graphs, the second one: only the second run's graph is left,
+    beside a file of the user's, and the index lists it and says what each file is."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for graphs in ("break", "whole"):
+        result = subprocess.run(
+            [sys.executable, "-c", TWO_RUNS, str(tmp_path), graphs],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.txt", "graph_0", "notes.txt"]
+    index = (tmp_path / "README.txt").read_text()
+    assert "graph_0/  compiled: fused pointwise 1; 2 kernel(s)" in index
+    assert "graph_1" not in index and "rerun.py" in index and "04_differentiate.py" in index
+
+
+def test_each_rank_writes_its_own_folder(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        dumps = tmp_path / "dump"
+        torch.compile(lambda x: torch.sin(x) * 2, backend="seqfast", options={"dump_dir": dumps})(
+            torch.randn(3)
+        )
+    finally:
+        dist.destroy_process_group()
+    assert [p.name for p in dumps.iterdir()] == ["rank_0"]
+    assert (dumps / "rank_0" / "README.txt").exists()
+    (graph,) = (dumps / "rank_0").glob("graph_*")
+    assert (graph / "00_dynamo.py").exists()
