@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import types
 from typing import Any, TypeVar
 
 import torch
@@ -33,17 +33,30 @@ def fuse_lm_head_loss(target: Model) -> Model:
     if getattr(target, _APPLIED, False):
         return target
     if isinstance(target, type):
-        init = target.__init__
+        init, forward = target.__init__, target.forward
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
             _resolve_loss_function(self)
 
-        target.__init__ = __init__
+        @functools.wraps(forward)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _without_logits_when_training(forward(self, *args, **kwargs))
+
+        target.__init__, target.forward = __init__, call
     else:
         _resolve_loss_function(target)
-    target.forward = _without_logits_when_training(target.forward)
+        if "forward" in vars(target):  # another library's wrapper (a device hook): kept inside
+            target._seqfast_inner_forward = vars(target)["forward"]
+
+        # bound to the model, not a closure over it, so that a copy of the model calls its own;
+        # with the class forward's signature, which the Trainer reads to choose the inputs
+        @functools.wraps(type(target).forward)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _forward(self, *args, **kwargs)
+
+        target.forward = types.MethodType(method, target)
     setattr(target, _APPLIED, True)
     return target
 
@@ -72,13 +85,16 @@ def _resolve_loss_function(model: Any) -> None:
     model.loss_function = model.loss_function
 
 
-def _without_logits_when_training(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        loss = getattr(out, "loss", None)
-        if loss is None or not torch.is_grad_enabled() or getattr(out, "logits", None) is None:
-            return out
-        return type(out)(**{name: value for name, value in out.items() if name != "logits"})
+def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A model's forward with the integration applied to the model alone."""
+    inner = vars(self).get("_seqfast_inner_forward")
+    out = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    return _without_logits_when_training(out)
 
-    return call
+
+def _without_logits_when_training(out: Any) -> Any:
+    """`out` without its logits when it holds a loss computed with grad on."""
+    loss = getattr(out, "loss", None)
+    if loss is None or not torch.is_grad_enabled() or getattr(out, "logits", None) is None:
+        return out
+    return type(out)(**{name: value for name, value in out.items() if name != "logits"})

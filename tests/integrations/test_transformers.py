@@ -129,6 +129,26 @@ def test_the_loss_over_a_whole_accumulated_batch_matches_eager():
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-4)
 
 
+def test_a_copy_of_the_model_runs_its_own_parameters():
+    """A deep copy (a reference model, an EMA) calls its own forward, not the original's."""
+    original = fuse_lm_head_loss(model("gpt2"))
+    copied = copy.deepcopy(original)
+    with torch.no_grad():
+        copied.lm_head.weight.mul_(2)  # tied to the embedding: the copy's logits change
+        batch = causal_lm_batch()
+        assert not torch.allclose(copied(**batch).logits, original(**batch).logits)
+    assert copied(**batch).logits is None and copied(**batch).loss is not None
+
+
+def test_each_model_keeps_its_own_signature():
+    """The Trainer reads it to choose which columns of a dataset to pass."""
+    import inspect
+
+    gpt2, llama = fuse_lm_head_loss(model("gpt2")), fuse_lm_head_loss(model("llama-gqa"))
+    assert "token_type_ids" in inspect.signature(gpt2.forward).parameters
+    assert "token_type_ids" not in inspect.signature(llama.forward).parameters
+
+
 def test_a_model_class_gets_it_for_every_instance():
     class Tiny(transformers.GPT2LMHeadModel):
         pass
