@@ -57,19 +57,13 @@ class Call(Mapping[str, Any]):
 
     def arguments(self, **changes: Any) -> tuple:
         """The positional arguments of the op, with `changes` by name."""
-        unknown = changes.keys() - set(self.names)
-        if unknown:
-            raise TypeError(f"{self.op} has no argument {', '.join(sorted(unknown))}")
-        return tuple(changes.get(name, self._args[name]) for name in self.names)
+        return by_name(self.op, **{**self._args, **changes})
 
     def arguments_of(self, op: OpOverload) -> tuple:
         """The positional arguments of `op` (an in-place twin, say), each taken from this call's
         argument of the same name."""
-        names = [a.name for a in op._schema.arguments]
-        missing = [name for name in names if name not in self._args]
-        if missing:
-            raise TypeError(f"{self.op} has no argument {', '.join(missing)} that {op} takes")
-        return tuple(self._args[name] for name in names)
+        takes = {a.name for a in op._schema.arguments}
+        return by_name(op, **{name: v for name, v in self._args.items() if name in takes})
 
     def shown(self) -> dict[str, Any]:
         """The arguments worth printing: those that are not None."""
@@ -81,9 +75,11 @@ def by_name(op: OpOverload, **arguments: Any) -> tuple:
     filled in); a TypeError for a name it does not take or one it needs that is missing."""
     schema = op._schema.arguments
     unknown = arguments.keys() - {a.name for a in schema}
+    if unknown:
+        raise TypeError(f"{op} has no argument {', '.join(sorted(unknown))}")
     missing = [a.name for a in schema if a.name not in arguments and not a.has_default_value()]
-    if unknown or missing:
-        raise TypeError(f"{op}: unknown arguments {sorted(unknown)}, missing arguments {missing}")
+    if missing:
+        raise TypeError(f"{op} needs the argument(s) {', '.join(missing)}")
     return tuple(arguments.get(a.name, a.default_value) for a in schema)
 
 
