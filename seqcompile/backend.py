@@ -32,6 +32,7 @@ from seqcompile import capture as capture_mod
 from seqcompile import dump, dump_folder, structure, verify
 from seqcompile.fx_utils import has_symbols
 from seqcompile.memory import accumulate
+from seqcompile.memory.gradient_destination import GradientDestination, forward_choice
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -63,8 +64,9 @@ class GraphCompile:
     draws_random: bool = False
     """The captured graph draws random numbers (so `verify` cannot compare it with eager)."""
     accumulation: accumulate.Accumulation | None = None
-    accumulating: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """The parameters the last forward ran with, whose `.grad` the backward accumulates into."""
+    gradients_to_autograd: str | None = None
+    """With `accumulate_grads`: why the last forward call's backward must hand its gradients to
+    autograd (None: it may accumulate them into `.grad`)."""
     _dumped: int = 0
 
     @property
@@ -205,39 +207,55 @@ def lower(
     gm: GraphModule, example_inputs: Sequence[Any], *, state: GraphCompile, kind: str
 ) -> Callable[..., Any]:
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
-    rest runs on the chosen executor."""
+    rest runs on the chosen executor. With `accumulate_grads`, the forward notes its parameters
+    and the backward is two: one adds the parameters' gradients into `.grad`, one returns them
+    (see `memory/gradient_destination.py`)."""
     if kind == "inference":
         gm = checked_joint_passes("lower", gm, state)
         list_kernels(gm, "inference", state)
+    plan = state.accumulation
+    if plan is None or kind == "inference":
+        return _executable(gm, example_inputs, state, kind)
+    if kind == "forward":
+        run = _executable(gm, example_inputs, state, kind)
+
+        def forward(args: list[Any]) -> Any:
+            state.gradients_to_autograd = forward_choice([args[i] for i in plan.positions])
+            return run(args)
+
+        forward._boxed_call = True  # type: ignore[attr-defined]
+        return forward
+    received = len(list(plan.returning.graph.find_nodes(op="placeholder")))
+    return GradientDestination(
+        state.name,
+        accumulating=_executable(gm, example_inputs, state, kind),
+        returning=_executable(
+            plan.returning, example_inputs[:received], state, "backward_returning"
+        ),
+        arguments=plan.arguments,
+        from_forward=lambda: state.gradients_to_autograd,
+    )
+
+
+def _executable(
+    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
+) -> Callable[[list[Any]], Any]:
+    """`gm` on the chosen executor, called the boxed way."""
     state.dump(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
         compiled = compile_fx_inner(
-            gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
+            gm,
+            example_inputs,
+            is_backward=kind.startswith("backward"),
+            is_inference=kind == "inference",
         )
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
             state.dump(f"lower_{kind}_inductor_code", source)
-        return _with_accumulation(compiled, state, kind)
-    return _with_accumulation(_boxed(gm), state, kind)
-
-
-def _with_accumulation(run: Callable[..., Any], state: GraphCompile, kind: str) -> Any:
-    """With `accumulate_grads`, the forward notes the parameters it ran with and the backward
-    gets their `.grad`s."""
-    plan = state.accumulation
-    if plan is None or kind == "inference":
-        return run
-    if kind == "backward":
-        return accumulate.run_accumulating(run, lambda: state.accumulating)
-
-    def forward(args: list[Any]) -> Any:
-        state.accumulating = [args[i] for i in plan.positions]
-        return run(args)
-
-    forward._boxed_call = True  # type: ignore[attr-defined]
-    return forward
+        return compiled
+    return _boxed(gm)
 
 
 def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:

@@ -28,7 +28,9 @@ What each file of a graph folder is:
                                 compiled with grad off has none, and goes on with lower_inference)
   NN_plan_memory_<pass>.py      stage 5, one file per pass in the order they ran, headed by the
                                 pass's notes
-  NN_lower_<kind>.py            what each executor received (forward, backward or inference);
+  NN_lower_<kind>.py            what each executor received (forward, backward or inference;
+                                with accumulate_grads, backward_returning is the backward that
+                                hands the gradients to autograd);
                                 with Inductor, also the code it generated (*_inductor_code.py)
   kernels/<kernel>_<hash>.py    each generated kernel the graph launches, headed by the fused-op
                                 calls of this compile that launch it

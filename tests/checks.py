@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from conftest import assert_close
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqcompile.backend import seqfast
 from seqcompile.demo import GPTConfig, toy_batch
@@ -141,3 +142,17 @@ def dumped_add_norms(dump_dir: Path | str) -> list[tuple[bool, float]]:
         and ast.unparse(node.func) == "torch.ops.seqfast.add_norm.default"
     ]
     return [("residual" in c, ast.literal_eval(c["p"])) for c in calls]
+
+
+class AccumulatingCalls(TorchDispatchMode):
+    """Counts the `seqfast::accumulate*` ops that run: the accumulating backward launches them,
+    the backward that hands gradients to autograd none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "seqfast" and func.__name__.startswith("accumulate"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -2,25 +2,26 @@
 parameter's gradient straight into the parameter's existing `.grad`, and hands autograd None for
 it, so a micro-batch allocates no weight-sized gradient and runs no separate accumulation kernel.
 
-The backward graph gets one placeholder per parameter, its `.grad`; the callable that runs the
-backward passes them in (creating zero `.grad`s on the first micro-batch). Where a gradient comes
-from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into `.grad`, a fused
-op's backward output goes through the op's accumulation hook in the registry (the linear +
-cross-entropy scales its finished weight gradient into it), an embedding's backward
+The forward saves each such parameter for the backward (most are saved anyway, for the matmuls'
+input gradients), so a backward finds the `.grad`s of the parameters its own forward call ran with,
+even when one compiled graph serves several modules. The backward graph gets one more placeholder
+per parameter, its `.grad`, passed in at run time (see `gradient_destination.py`, which also keeps
+the backward as autograd traced it, for calls whose gradients must go through autograd). Where a
+gradient comes from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into
+`.grad`, a fused op's backward output goes through the op's accumulation hook in the registry (the
+linear + cross-entropy scales its finished weight gradient into it), an embedding's backward
 scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any other
 gradient (biases, norm weights) is computed and then added in place.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 from torch.fx import GraphModule, Node
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers the seqfast::accumulate* ops)
@@ -34,24 +35,34 @@ seqfast = torch.ops.seqfast
 
 @dataclasses.dataclass(frozen=True)
 class Accumulation:
-    """Which forward inputs accumulate into their `.grad`, by position."""
+    """Which forward inputs accumulate into their `.grad`, and the two backwards."""
 
     positions: tuple[int, ...]
+    """The forward inputs (parameters) whose gradients are added into `.grad`."""
+    arguments: tuple[int, ...]
+    """Where the backward receives each of those parameters, saved by the forward."""
+    returning: GraphModule
+    """The backward as autograd traced it, returning every gradient: it takes the same inputs
+    as the accumulating backward but the `.grad`s."""
     hooked: tuple[str, ...] = ()
     """Fused backward calls whose gradients their registry hook accumulates."""
 
 
-def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumulation:
-    """Rewrite `backward` so the gradients of the forward inputs at `positions` (parameters) are
-    accumulated into new trailing placeholders, one per parameter, and returned as None."""
-    graph = backward.graph
+def accumulate_into_grads(
+    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, positions: list[int]
+) -> Accumulation:
+    """Make `forward` save the parameters at `positions` (forward inputs) that have a gradient,
+    keep a copy of `backward` as it is, and rewrite `backward` so those gradients are accumulated
+    into new trailing placeholders, one per parameter, and returned as None."""
     outputs = graph_outputs(backward)
+    taken = [p for p in positions if isinstance(outputs[p], Node)]
+    arguments = save_for_backward(forward, backward, num_fwd_outputs, taken)
+    returning = copy.deepcopy(backward)
+    graph = backward.graph
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
-    taken, hooked = [], []
-    for position in positions:
+    hooked = []
+    for position in taken:
         gradient = outputs[position]
-        if not isinstance(gradient, Node):
-            continue
         with graph.inserting_after(last_placeholder):
             buffer = graph.placeholder(f"grad_{position}")
         buffer.meta["val"] = val(gradient)
@@ -59,12 +70,45 @@ def accumulate_into_grads(backward: GraphModule, positions: list[int]) -> Accumu
         with graph.inserting_before(gradient.next):
             hooked += _accumulate(graph, buffer, gradient)
         outputs[position] = None
-        taken.append(position)
     output = next(iter(graph.find_nodes(op="output")))
     output.args = (tuple(outputs),)
     graph.eliminate_dead_code()
     backward.recompile()
-    return Accumulation(tuple(taken), tuple(dict.fromkeys(hooked)))
+    return Accumulation(tuple(taken), arguments, returning, tuple(dict.fromkeys(hooked)))
+
+
+def save_for_backward(
+    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, positions: list[int]
+) -> tuple[int, ...]:
+    """Where the backward receives each forward input at `positions`, adding it to what the
+    forward saves where it is not saved yet. AOTAutograd's layout: the forward returns its outputs,
+    then the saved tensors, then saved sizes; the backward takes the saved sizes, then the saved
+    tensors (in the same order), then the output gradients."""
+    inputs = list(forward.graph.find_nodes(op="placeholder"))
+    forward_output = next(iter(forward.graph.find_nodes(op="output")))
+    returned = list(forward_output.args[0])
+    saved = returned[num_fwd_outputs:]
+    saved_tensors = sum(isinstance(val(n), torch.Tensor) for n in saved)
+    saved_sizes = len(saved) - saved_tensors
+    received = list(backward.graph.find_nodes(op="placeholder"))
+    by_name = {node.name: i for i, node in enumerate(received)}
+    after_saved = received[saved_sizes + saved_tensors]  # the first output gradient
+    arguments = []
+    for position in positions:
+        parameter = inputs[position]
+        if parameter.name not in by_name:
+            returned.insert(num_fwd_outputs + saved_tensors, parameter)
+            with backward.graph.inserting_before(after_saved):
+                placeholder = backward.graph.placeholder(parameter.name)
+            placeholder.meta["val"] = val(parameter)
+            saved_tensors += 1
+            received = list(backward.graph.find_nodes(op="placeholder"))
+            by_name = {node.name: i for i, node in enumerate(received)}
+        arguments.append(by_name[parameter.name])
+    forward_output.args = (tuple(returned),)
+    forward.recompile()
+    backward.recompile()
+    return tuple(arguments)
 
 
 def _accumulate(graph: Any, buffer: Node, gradient: Node) -> list[str]:
@@ -103,59 +147,3 @@ def _through_transposes(node: Node) -> tuple[Node, bool]:
     ):
         node, transposed = node.args[0], not transposed
     return node, transposed
-
-
-def check_parameters(parameters: list[Tensor]) -> None:
-    """Refuse what cannot see a gradient that never passes through autograd."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise RuntimeError(
-            'options["accumulate_grads"] cannot run under torch.distributed: DistributedData'
-            "Parallel's reducer and FSDP take each gradient from autograd, which this option"
-            " bypasses. Turn the option off, or accumulate with DDP's no_sync()."
-        )
-    for p in parameters:
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
-            raise RuntimeError(
-                'options["accumulate_grads"] cannot honour a gradient hook on a parameter of'
-                f" shape {tuple(p.shape)}: the gradient is added into .grad without passing"
-                " through autograd, so the hook would never run. Remove the hook or the option."
-            )
-
-
-def check_backward_writes_grads(parameters: list[Tensor]) -> None:
-    """Refuse a backward that autograd runs without writing every parameter's `.grad`
-    (`torch.autograd.grad`, `backward(inputs=...)` naming only some): this backward would add the
-    gradients into `.grad` anyway and hand the caller none."""
-    for p in parameters:
-        try:
-            writes = torch._C._will_engine_execute_node(get_gradient_edge(p).node)
-        except RuntimeError:  # raised for a leaf while autograd.grad runs: it writes no .grad
-            writes = False
-        if not writes:
-            raise RuntimeError(
-                'options["accumulate_grads"] adds every parameter\'s gradient into its .grad,'
-                " but this backward asks for gradients without writing .grad for the parameter"
-                f" of shape {tuple(p.shape)} (torch.autograd.grad, or backward(inputs=...)"
-                " naming only some tensors). Call backward() without inputs=, or compile"
-                " without accumulate_grads for this use."
-            )
-
-
-def run_accumulating(
-    backward: Callable[[list[Any]], Any], parameters: Callable[[], list[Tensor]]
-) -> Callable[[list[Any]], Any]:
-    """The boxed backward, given each parameter's `.grad` (zeros when it has none) as trailing
-    inputs."""
-
-    def run(args: list[Any]) -> Any:
-        params = parameters()
-        check_parameters(params)
-        check_backward_writes_grads(params)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        args.extend(p.grad for p in params)
-        return backward(args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile import structure
-from seqcompile.codegen import prepare_kernel
+from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx_utils import fake_values, site_name
 from seqcompile.memory import accumulate, budget
 from seqcompile.memory.cost import node_cost, roofline_for, total_cost
@@ -138,18 +138,29 @@ def in_place(plan: Plan, state: Compile) -> list[str]:
 
 
 def accumulation(plan: Plan, state: Compile) -> list[str]:
-    """With `accumulate_grads`, parameter gradients are added into `.grad` where they are made."""
+    """With `accumulate_grads`, parameter gradients are added into `.grad` where they are made;
+    the forward saves the parameters, and the backward that returns them is kept beside."""
     if not state.options.accumulate_grads:
         return []
-    positions = parameter_positions(state)
-    accumulate.check_parameters([state.example_inputs[i] for i in positions])
-    state.accumulation = accumulate.accumulate_into_grads(plan.backward, positions)
+    # the forward returns more saved tensors after this pass: check what it computed until now
+    structure.check("plan_memory", plan.forward, plan.signatures[0])
+    accumulation = accumulate.accumulate_into_grads(
+        plan.forward, plan.backward, plan.num_fwd_outputs, parameter_positions(state)
+    )
+    plan.signatures[0] = structure.signature(plan.forward, paths=False)
+    if not accumulation.positions:
+        return ["no parameter among the inputs has a gradient: nothing accumulates"]
+    state.accumulation = accumulation
     hooked = [
         f"{name}: variant whose parameter gradients its accumulation hook adds into .grad"
-        for name in state.accumulation.hooked
+        for name in accumulation.hooked
     ]
-    plan.variants += hooked
-    return [f"inputs {list(state.accumulation.positions)} accumulate into their .grad", *hooked]
+    two = (
+        "backward: adds the parameters' gradients into .grad; a call whose gradients autograd"
+        " must get (hooks, autograd.grad, DDP's synchronized step) runs the backward as traced"
+    )
+    plan.variants += [two, *hooked]
+    return [f"inputs {list(accumulation.positions)} accumulate into their .grad", two, *hooked]
 
 
 def memory_analysis(plan: Plan, state: Compile) -> list[str]:
@@ -174,6 +185,9 @@ def memory_analysis(plan: Plan, state: Compile) -> list[str]:
     )
     list_kernels(plan.forward, "forward", state)
     list_kernels(plan.backward, "backward", state)
+    if state.accumulation is not None:  # what a call handing gradients to autograd adds
+        listed = {use.spec for use in state.report.kernels if use.graph == state.name}
+        list_kernels(state.accumulation.returning, "backward to autograd", state, listed)
     return [f"kept for the backward: {step.kept_bytes} bytes; peak {step.peak_bytes} bytes"]
 
 
@@ -189,9 +203,11 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 """Stage 5's passes in the order they run, by the name their dump file carries."""
 
 
-def list_kernels(gm: GraphModule, direction: str, state: Compile) -> None:
+def list_kernels(
+    gm: GraphModule, direction: str, state: Compile, listed: Collection[KernelSpec] = ()
+) -> None:
     """Render the kernels the fused ops of `gm` launch and list them in the report, each with
-    the node and source line it runs for."""
+    the node and source line it runs for (but those `listed` already)."""
     for node in gm.graph.nodes:
         entry = registry.entry_of(node)
         if entry is None:
@@ -199,6 +215,8 @@ def list_kernels(gm: GraphModule, direction: str, state: Compile) -> None:
         _give_values(node.all_input_nodes, state.fake_mode)
         label = entry.label_of(Call.of(node))
         for spec in registry.kernels_of(node):
+            if spec in listed:
+                continue
             use = KernelUse(
                 prepare_kernel(spec), spec, state.name, direction, label, node.name, site_name(node)
             )

@@ -1,13 +1,17 @@
 """Gradient accumulation into `.grad`: gradients after N micro-batches equal eager's
-accumulation, a micro-batch after the first allocates no weight-shaped tensor, and what would
-miss the gradients (hooks, torch.distributed) is refused with a clear error."""
+accumulation, a micro-batch after the first allocates no weight-shaped tensor, and a backward
+whose gradients something else must see (hooks, autograd.grad, backward(inputs=), saved-tensor
+hooks, an unknown torch.distributed wrapper) hands them to autograd and gets eager's answer.
+DDP and FSDP2 on two processes: tests/distributed/test_accumulate_distributed.py."""
 
 import pytest
 import torch
+from checks import AccumulatingCalls
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.report import collecting
 
 CONFIG = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.0)
 
@@ -97,47 +101,137 @@ def test_a_later_micro_batch_allocates_no_weight_shaped_gradient(accumulate_grad
         assert allocations.count >= 2 * CONFIG.n_layers * 4
 
 
-def test_a_gradient_hook_is_refused_at_compile():
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    model.blocks[0].mlp.fc.weight.register_hook(lambda g: g)
-    ((idx, targets),) = micro_batches(1)
-    with pytest.raises(Exception, match="cannot honour a gradient hook on a parameter"):
-        compiled(model)(idx, targets)
+def eager_gradients(model, batches, backward=lambda loss, model: loss.backward()):
+    """The gradients eager autograd leaves in .grad after `batches`, each run by `backward`."""
+    model.zero_grad(set_to_none=True)
+    for idx, targets in batches:
+        backward(model(idx, targets) / len(batches), model)
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
-def test_a_hook_added_after_compile_is_refused_at_backward():
+def accumulating_ops(backward, *args):
+    """How many accumulating ops the backward `backward(*args)` runs (called outside the forward:
+    Dynamo compiles nothing under a dispatch mode)."""
+    with AccumulatingCalls() as calls:
+        backward(*args)
+    return calls.count
+
+
+def eager_then_compiled(backward=lambda loss, model: loss.backward()):
+    """A model with eager's gradients after two micro-batches, its `.grad`s cleared, and the
+    model compiled with `accumulate_grads`."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    ((idx, targets),) = micro_batches(1)
+    batches = micro_batches(2)
+    expected = eager_gradients(model, batches, backward)
+    model.zero_grad(set_to_none=True)
+    return model, batches, expected, compiled(model)
+
+
+def assert_gradients(model, expected):
+    for p, e in zip(model.parameters(), expected, strict=True):
+        if e is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+
+
+def test_one_graph_serving_several_blocks_accumulates_into_each_blocks_grads():
+    """Each block compiled on its own: Dynamo gives both the one graph, and each backward call
+    must find the `.grad`s of the parameters its own forward call ran with."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = micro_batches(2)
+    expected = eager_gradients(model, batches)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend="seqfast", options={"accumulate_grads": True})
+    with collecting() as reports:
+        for idx, targets in batches:
+            assert accumulating_ops((model(idx, targets) / 2).backward) > 0
+    assert len(reports.graphs) == 1
+    assert_gradients(model, expected)
+
+
+@pytest.mark.parametrize("when", ["before compile", "after the first backward"])
+def test_a_gradient_hook_sees_every_gradient(when):
+    """A hooked parameter's gradient must pass through autograd: that backward returns the
+    gradients, and the hook sees what eager's sees."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = micro_batches(2)
+    seen = []
+    weight = model.blocks[0].mlp.fc.weight
+
+    def hook(grad):
+        seen.append(grad.clone())
+        return grad * 2
+
+    handle = weight.register_hook(hook)
+    expected = eager_gradients(model, batches)
+    eager_seen, seen[:] = list(seen), []
+    handle.remove()
+    model.zero_grad(set_to_none=True)
     step = compiled(model)
-    step(idx, targets).backward()
-    model.ln_f.weight.register_post_accumulate_grad_hook(lambda p: None)
-    with pytest.raises(RuntimeError, match="the hook would never run"):
-        step(idx, targets).backward()
+    for i, (idx, targets) in enumerate(batches):
+        if i == (0 if when == "before compile" else 1):
+            weight.register_hook(hook)
+        calls = accumulating_ops((step(idx, targets) / 2).backward)
+        assert (calls == 0) == bool(weight._backward_hooks)
+    expected_seen = eager_seen if when == "before compile" else eager_seen[1:]
+    for got, want in zip(seen, expected_seen, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if when == "before compile":
+        assert_gradients(model, expected)
+
+
+def test_a_post_accumulate_grad_hook_runs_on_the_finished_grad():
+    model, batches, expected, step = eager_then_compiled()
+    (step(*batches[0]) / 2).backward()
+    finished = []
+    model.ln_f.weight.register_post_accumulate_grad_hook(lambda p: finished.append(p.grad.clone()))
+    assert accumulating_ops((step(*batches[1]) / 2).backward) == 0
+    assert_gradients(model, expected)
+    (ln_f_position,) = [i for i, p in enumerate(model.parameters()) if p is model.ln_f.weight]
+    torch.testing.assert_close(finished[0], expected[ln_f_position], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
     "backward",
     [
         lambda loss, model: torch.autograd.grad(loss, list(model.parameters())),
-        lambda loss, model: loss.backward(inputs=[model.ln_f.weight]),
+        lambda loss, model: loss.backward(inputs=[model.ln_f.weight, model.head.weight]),
     ],
     ids=["autograd.grad", "backward(inputs=)"],
 )
-def test_a_backward_that_writes_not_every_grad_is_refused_and_leaves_grads_alone(backward):
-    """Autograd would hand the caller gradients (or write only some .grad): the accumulating
-    backward, which adds every gradient into .grad, refuses instead of answering wrong."""
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    ((idx, targets),) = micro_batches(1)
-    step = compiled(model)
-    step(idx, targets).backward()
-    before = [p.grad.clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="asks for gradients without writing .grad"):
-        backward(step(idx, targets), model)
-    for p, b in zip(model.parameters(), before, strict=True):
-        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+def test_a_backward_writing_not_every_grad_gets_eagers_answer(backward):
+    """Autograd hands the caller gradients (or writes only some .grad): that backward returns
+    the gradients, leaving the other `.grad`s as they were."""
+    answers = []
+
+    def answering(loss, model):
+        answers.append(backward(loss, model) or ())
+
+    model, batches, expected, step = eager_then_compiled(answering)
+    expected_answers, answers[:] = list(answers), []
+    for idx, targets in batches:
+        assert accumulating_ops(answering, step(idx, targets) / 2, model) == 0
+    assert_gradients(model, expected)
+    for got, want in zip(answers, expected_answers, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_tensors_moved_by_hooks_accumulate_into_the_parameters_grads():
+    """Under `save_on_cpu` the saved parameters come back as copies, whose `.grad` is not the
+    parameter's: the backward finds the parameters through their gradient accumulators."""
+    model, batches, expected, step = eager_then_compiled()
+    for idx, targets in batches:
+        with torch.autograd.graph.save_on_cpu():
+            loss = step(idx, targets) / 2
+        assert accumulating_ops(loss.backward) > 0
+    assert_gradients(model, expected)
 
 
 def test_backward_naming_every_parameter_accumulates():
@@ -153,15 +247,26 @@ def test_backward_naming_every_parameter_accumulates():
         torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_distributed_is_refused(tmp_path):
+def test_under_torch_distributed_without_a_known_wrapper_gradients_go_to_autograd(tmp_path, caplog):
+    """Something seqfast does not know may take the gradients from autograd: it gets them."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = GPT(CONFIG)
-        ((idx, targets),) = micro_batches(1)
-        with pytest.raises(Exception, match="cannot run under torch.distributed"):
-            compiled(model)(idx, targets)
+        batches = micro_batches(2)
+        expected = eager_gradients(model, batches)
+        step = compiled(model)
+        model.zero_grad(set_to_none=True)
+        with caplog.at_level("INFO", logger="seqcompile"):
+            for idx, targets in batches:
+                assert accumulating_ops((step(idx, targets) / 2).backward) == 0
+        got = [p.grad for p in model.parameters()]
     finally:
         dist.destroy_process_group()
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert "gradients go to autograd for this backward: torch.distributed is initialized" in (
+        caplog.text
+    )

@@ -1,0 +1,143 @@
+"""Where a backward call of an `accumulate_grads` graph puts the parameters' gradients: added into
+their `.grad` (the accumulating backward), or handed to autograd (the backward as autograd traced
+it), chosen per call.
+
+Autograd must get the gradients when something reads them on their way to `.grad`:
+- a gradient hook on a parameter (`register_hook`, `register_post_accumulate_grad_hook`);
+- a backward that writes no `.grad` for some parameter (`torch.autograd.grad`, or
+  `backward(inputs=...)` naming only some tensors);
+- DistributedDataParallel on a step it synchronizes: its reducer takes each gradient from
+  autograd. Under `no_sync()` nothing does, and the micro-batch accumulates; the last micro-batch
+  hands its gradients to the reducer, which averages what `.grad` then holds, as in eager;
+- any other wrapper under torch.distributed that seqfast does not know. FSDP2 (`fully_shard`) is
+  known: it reads `.grad` of its unsharded parameters after their backward, so every micro-batch
+  accumulates, with or without `set_requires_gradient_sync(False)`;
+- a saved parameter that comes back from saved-tensor hooks without its gradient accumulator.
+  (A copy that keeps it, as `save_on_cpu` gives back, leads to the parameter, and accumulates.)
+
+The forward decides what concerns the wrapper (DDP decides there too); the backward checks the
+rest. The choice is logged once per graph and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+log = logging.getLogger("seqcompile")
+
+DDP_SYNC = "DistributedDataParallel synchronizes this step's gradients (outside no_sync())"
+UNKNOWN_WRAPPER = (
+    "torch.distributed is initialized and the parameters belong to neither DistributedData"
+    "Parallel under no_sync() nor FSDP2 (fully_shard), so something may take their gradients"
+    " from autograd"
+)
+
+
+def forward_choice(parameters: list[Tensor]) -> str | None:
+    """Why the backward of this forward call must hand its gradients to autograd (None: it may
+    accumulate), as far as a wrapper around the model decides it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None:
+        return DDP_SYNC if ddp.require_backward_grad_sync else None
+    if parameters and _fully_sharded(parameters):
+        return None
+    return UNKNOWN_WRAPPER
+
+
+def _fully_sharded(parameters: list[Tensor]) -> bool:
+    """Every parameter is an unsharded parameter of an FSDP2 (`fully_shard`) module."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return False
+    unsharded = set()
+    for entry in list(_module_state_mapping.values()):
+        state = entry() if isinstance(entry, weakref.ref) else entry
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if hasattr(fsdp_param, "_unsharded_param"):
+                unsharded.add(id(fsdp_param._unsharded_param))
+    return all(id(p) in unsharded for p in parameters)
+
+
+def owners(received: list[Tensor]) -> list[Tensor] | str:
+    """The parameters whose `.grad` the backward adds into, from the saved ones it received (the
+    same tensors, or copies that saved-tensor hooks such as `save_on_cpu` gave back, which keep
+    the parameter's gradient accumulator); or why there are none to be found."""
+    found = []
+    for saved in received:
+        try:
+            found.append(get_gradient_edge(saved).node.variable)
+        except (RuntimeError, AttributeError):
+            return "a saved parameter came back from the saved-tensor hooks without its gradient"
+    return found
+
+
+def backward_choice(parameters: list[Tensor]) -> str | None:
+    """Why this backward call must hand its gradients to autograd (None: it may accumulate)."""
+    for p in parameters:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return "a parameter has a gradient hook, which must see its gradient"
+        try:
+            writes = torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+        except RuntimeError:  # raised for a leaf while autograd.grad runs: it writes no .grad
+            writes = False
+        if not writes:
+            return (
+                "this backward writes no .grad for some parameter (torch.autograd.grad, or"
+                " backward(inputs=...) naming only some tensors)"
+            )
+    return None
+
+
+class GradientDestination:
+    """The boxed backward of an `accumulate_grads` graph: `accumulating` takes the backward's
+    inputs and each parameter's `.grad` after them (zeros created where there is none),
+    `returning` the same inputs without them; `arguments` says where the inputs hold the
+    parameters."""
+
+    def __init__(
+        self,
+        graph: str,
+        accumulating: Callable[[list[Any]], Any],
+        returning: Callable[[list[Any]], Any],
+        arguments: tuple[int, ...],
+        from_forward: Callable[[], str | None],
+    ) -> None:
+        self.graph = graph
+        self.accumulating = accumulating
+        self.returning = returning
+        self.arguments = arguments
+        self.from_forward = from_forward
+        """Why the last forward call's backward must hand its gradients to autograd (see
+        `forward_choice`)."""
+        self._logged: set[str] = set()
+        self._boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
+        parameters = owners([args[i] for i in self.arguments])
+        reason = self.from_forward() or (
+            parameters if isinstance(parameters, str) else backward_choice(parameters)
+        )
+        if reason is not None:
+            if reason not in self._logged:
+                self._logged.add(reason)
+                log.info("%s: gradients go to autograd for this backward: %s", self.graph, reason)
+            return self.returning(args)
+        for p in parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        args.extend(p.grad for p in parameters)
+        return self.accumulating(args)
