@@ -117,7 +117,7 @@ def accumulating_ops(backward, *args):
     return calls.count
 
 
-def eager_then_compiled(backward=lambda loss, model: loss.backward()):
+def eager_then_compiled(backward=lambda loss, model: loss.backward(), rest="eager"):
     """A model with eager's gradients after two micro-batches, its `.grad`s cleared, and the
     model compiled with `accumulate_grads`."""
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def eager_then_compiled(backward=lambda loss, model: loss.backward()):
     batches = micro_batches(2)
     expected = eager_gradients(model, batches, backward)
     model.zero_grad(set_to_none=True)
-    return model, batches, expected, compiled(model)
+    return model, batches, expected, compiled(model, rest)
 
 
 def assert_gradients(model, expected):
@@ -197,15 +197,20 @@ def test_a_post_accumulate_grad_hook_runs_on_the_finished_grad():
     torch.testing.assert_close(finished[0], expected[ln_f_position], rtol=1e-5, atol=1e-6)
 
 
+def _autograd_grad(loss, model):
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+def _backward_some(loss, model):
+    loss.backward(inputs=[model.ln_f.weight, model.head.weight])
+
+
 @pytest.mark.parametrize(
-    "backward",
-    [
-        lambda loss, model: torch.autograd.grad(loss, list(model.parameters())),
-        lambda loss, model: loss.backward(inputs=[model.ln_f.weight, model.head.weight]),
-    ],
-    ids=["autograd.grad", "backward(inputs=)"],
+    "backward, rest",
+    [(_autograd_grad, "eager"), (_backward_some, "eager"), (_autograd_grad, "inductor")],
+    ids=["autograd.grad", "backward(inputs=)", "autograd.grad-inductor"],
 )
-def test_a_backward_writing_not_every_grad_gets_eagers_answer(backward):
+def test_a_backward_writing_not_every_grad_gets_eagers_answer(backward, rest):
     """Autograd hands the caller gradients (or writes only some .grad): that backward returns
     the gradients, leaving the other `.grad`s as they were."""
     answers = []
@@ -213,7 +218,7 @@ def test_a_backward_writing_not_every_grad_gets_eagers_answer(backward):
     def answering(loss, model):
         answers.append(backward(loss, model) or ())
 
-    model, batches, expected, step = eager_then_compiled(answering)
+    model, batches, expected, step = eager_then_compiled(answering, rest)
     expected_answers, answers[:] = list(answers), []
     for idx, targets in batches:
         assert accumulating_ops(answering, step(idx, targets) / 2, model) == 0

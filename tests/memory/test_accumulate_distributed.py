@@ -19,15 +19,19 @@ MICRO_BATCHES = 3
 
 pytestmark = pytest.mark.slow
 
+DDP_OPTIONS = {
+    "ddp": {},
+    "ddp_bucket_view": {"gradient_as_bucket_view": True},
+    "ddp_find_unused": {"find_unused_parameters": True},
+}
+
 
 def _wrapped(wrapper):
     """The model under `wrapper`, and the context its micro-batches but the last run in."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if wrapper.startswith("ddp"):
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=wrapper == "ddp_bucket_view"
-        )
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **DDP_OPTIONS[wrapper])
         return ddp, model, ddp.no_sync
     from torch.distributed.fsdp import fully_shard
 
@@ -83,6 +87,6 @@ def _worker(rank, store, wrapper):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "ddp_bucket_view", "fsdp2"])
+@pytest.mark.parametrize("wrapper", [*DDP_OPTIONS, "fsdp2"])
 def test_accumulated_gradients_equal_eagers_on_two_ranks(wrapper, tmp_path):
     mp.spawn(functools.partial(_worker, store=tmp_path / "store", wrapper=wrapper), nprocs=2)
