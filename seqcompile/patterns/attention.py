@@ -38,8 +38,9 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.patterns.attention_masks import CASTS, constant, is_causal
+from seqcompile.patterns.attention_masks import CASTS, constant
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.patterns.index_masks import split_causal
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -98,7 +99,10 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
     mask_val = tensor_val(attn_mask)
     if mask_val is not None:
         if mask_val.dtype == torch.bool:
-            site.keep.append((attn_mask, True))
+            scores = (tensor_val(q).shape[-2], tensor_val(k).shape[-2])
+            causal, rest = split_causal(attn_mask, True, scores)
+            site.causal = site.causal or causal
+            site.keep += rest
             site.masked_value = -math.inf
         else:
             site.biases.append((attn_mask, 1.0))
@@ -311,7 +315,7 @@ def _apply_links(
     for link in links:
         if link[0] == "batch":
             frame = link[1]
-        elif link[0] in ("bias", "mask") and not _same_batch(frame, softmax):
+        elif link[0] == "bias" and not _same_batch(frame, softmax):
             site.frames[link[1]] = frame
         if link[0] == "scale":
             factor_after *= link[1]
@@ -327,12 +331,19 @@ def _apply_links(
                 return Reject(
                     "a bias is added after a mask filled with {}; the kernel fills last", value
                 )
-            if value <= CAUSAL_FILL and is_causal(mask, keeps, scores):
+            causal, rest = (
+                split_causal(mask, keeps, scores.shape)
+                if value <= CAUSAL_FILL
+                else (False, [(mask, keeps)])
+            )
+            if causal:
                 site.causal = True
                 causal_fills.add(value)
-            else:
-                site.keep.append((mask, keeps))
+            for factor, factor_keeps in rest:
+                site.keep.append((factor, factor_keeps))
                 values.add(value)
+                if not _same_batch(frame, softmax):
+                    site.frames[factor] = frame
     site.scale *= factor_after
     finite_causal = {v for v in causal_fills if math.isfinite(v)}
     if len(values) > 1 or (values and finite_causal and finite_causal != values):

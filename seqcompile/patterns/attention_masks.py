@@ -4,6 +4,9 @@ triangle of the scores (`tril`/`triu` of ones, through views that keep it a top-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -51,17 +54,17 @@ def _ones(node: object) -> bool:
     return is_call(node, aten.full.default) and constant(node.args[1]) == 1.0
 
 
-def _same_block(value: torch.Tensor | None, scores: torch.Tensor) -> bool:
+def _same_block(value: torch.Tensor | None, scores: Sequence[Any]) -> bool:
     """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
     return (
         value is not None
         and value.dim() >= 2
-        and statically_known_true(value.shape[-2] == scores.shape[-2])
-        and statically_known_true(value.shape[-1] == scores.shape[-1])
+        and statically_known_true(value.shape[-2] == scores[-2])
+        and statically_known_true(value.shape[-1] == scores[-1])
     )
 
 
-def _top_left(node: Node, scores: torch.Tensor) -> object:
+def _top_left(node: Node, scores: Sequence[Any]) -> object:
     """Step through one view that keeps the (Lq, Lk) block a top-left block of its input: a
     reshape adding or dropping leading dims, a cast, or a slice from 0 of one of the last two dims
     (a top-left block of a triangle is a triangle). None for anything else."""
@@ -79,10 +82,11 @@ def _top_left(node: Node, scores: torch.Tensor) -> object:
     return None
 
 
-def is_causal(mask: object, keeps: bool, scores: torch.Tensor) -> bool:
-    """Whether the boolean `mask` is the causal triangle of the scores' last two dims:
-    `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical negations and
-    comparisons with 0, through views that keep it a top-left block of the triangle."""
+def is_causal(mask: object, keeps: bool, scores: Sequence[Any]) -> bool:
+    """Whether the boolean `mask` is the causal triangle of the last two dims of the shape
+    `scores`: `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical
+    negations and comparisons with 0, through views that keep it a top-left block of the
+    triangle."""
     node = mask
     while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
         source = tensor_val(node.args[0]) if node.args else None

@@ -238,6 +238,81 @@ def test_cross_attention_with_different_lengths():
 
 
 # ---------------------------------------------------------------------------------------------
+# written out: masks from index comparisons, as Hugging Face builds them
+
+
+def positions(n):
+    """Query and key positions broadcast along the scores' last two dims."""
+    return torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda q_idx, kv_idx: kv_idx <= q_idx,
+        lambda q_idx, kv_idx: q_idx >= kv_idx,
+        lambda q_idx, kv_idx: kv_idx < q_idx + 1,
+        lambda q_idx, kv_idx: ~(kv_idx > q_idx),
+        lambda q_idx, kv_idx: q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx),
+        lambda q_idx, kv_idx: (
+            torch.arange(q_idx.shape[-2]).view(-1, 1) >= torch.arange(kv_idx.shape[-1])
+        ),
+    ],
+    ids=["kv_le_q", "q_ge_kv", "kv_lt_q_plus_1", "not_kv_gt_q", "and_masks", "two_dims"],
+)
+def test_a_causal_mask_from_positions_is_read_as_causal(keep):
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
+
+    report = fused(fn, qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == dict(bias=False, mask=False, dropout=False, causal=True)
+
+
+def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(scores(q, k).masked_fill(kv_idx > q_idx, -math.inf), v)
+
+    report = fused(fn, qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == dict(bias=False, mask=False, dropout=False, causal=True)
+
+
+def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding():
+    """`kv_idx <= q_idx` & `padding[batch_idx, kv_idx]`, expanded to (B, 1, L, L): the triangle
+    goes to the kernel as causal, and the padding is read as the (B, 1, 1, L) gather it is."""
+
+    def fn(q, k, v, padding):
+        q_idx, kv_idx = positions(q.shape[-2])
+        batch_idx = torch.arange(q.shape[0])[:, None, None, None]
+        mask = q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx)
+        mask = (mask & padding[batch_idx, kv_idx]).expand(q.shape[0], -1, -1, -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10).view(B, 10)])
+    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=True)
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda q_idx, kv_idx: kv_idx <= q_idx + 1,
+        lambda q_idx, kv_idx: kv_idx >= q_idx,
+        lambda q_idx, kv_idx: kv_idx - q_idx <= 0,
+        lambda q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 3),
+    ],
+    ids=["shifted_diagonal", "upper_triangle", "difference", "or_prefix"],
+)
+def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
+
+    report = fused(fn, qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=False)
+
+
+# ---------------------------------------------------------------------------------------------
 # nn.MultiheadAttention
 
 
