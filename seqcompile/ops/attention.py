@@ -2,14 +2,16 @@
 schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
-    out = dropout(softmax(where(mask, q @ k^T * scale + bias, masked_value), causal), p) @ v
+    out = dropout(softmax(where(mask, q @ k^T * scale + bias, masked_value), causal, window), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
 h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 4-D
 (batch, heads, length, head_dim) views. `bias` (float, may require grad) and `mask` (bool, True
 where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero
-strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. q @ k^T runs in q's
+strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. `causal` and `window`
+(query i sees keys j <= i, and i - j < window when window > 0) are computed from the positions,
+never read, and the kernels skip the key blocks they hide. q @ k^T runs in q's
 dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
 v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
 probabilities, and regenerates the dropout mask from the seed."""
@@ -35,14 +37,12 @@ MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def forward_spec(*, bias: bool, mask: bool, dropout: bool, causal: bool) -> KernelSpec:
-    return KernelSpec.of("attention_fwd", bias=bias, mask=mask, dropout=dropout, causal=causal)
+def forward_spec(**flags: bool) -> KernelSpec:
+    """The forward kernel for the flags `_flags` gives."""
+    return KernelSpec.of("attention_fwd", **flags)
 
 
-def backward_specs(
-    *, bias: bool, mask: bool, dropout: bool, causal: bool, bias_grad: bool
-) -> list[KernelSpec]:
-    flags = dict(bias=bias, mask=mask, dropout=dropout, causal=causal)
+def backward_specs(*, bias_grad: bool, **flags: bool) -> list[KernelSpec]:
     return [
         DELTA,
         KernelSpec.of("attention_bwd_dkdv", **flags),
@@ -54,11 +54,13 @@ DELTA = KernelSpec.of("attention_bwd_delta")
 
 
 def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
+    """What the kernels are specialized on."""
     return dict(
         bias=call["bias"] is not None,
         mask=call["mask"] is not None,
         dropout=call["p"] > 0,
         causal=call["causal"],
+        window=call["window"] > 0,
     )
 
 
@@ -73,12 +75,30 @@ def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
 
 
 def _products(call: Call, q_dims: int, v_dims: int) -> int:
-    """FLOPs of products over the scores, `q_dims` of them as long as q's head dim and `v_dims`
-    as v's (half of them when causal)."""
+    """FLOPs of products over the scores the kernels visit, `q_dims` of them as long as q's head
+    dim and `v_dims` as v's (those causal and window hide are not counted)."""
     q, k, v = (call.value(name) for name in "qkv")
-    scores = concrete(q.numel()) // concrete(q.shape[-1]) * concrete(k.shape[-2])
-    total = 2 * scores * concrete(q_dims * q.shape[-1] + v_dims * v.shape[-1])
-    return total // 2 if call["causal"] else total
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    scores = (
+        concrete(q.numel())
+        // concrete(q.shape[-1])
+        // max(lq, 1)
+        * visible_pairs(lq, lk, call["causal"], call["window"])
+    )
+    return 2 * scores * concrete(q_dims * q.shape[-1] + v_dims * v.shape[-1])
+
+
+def visible_pairs(lq: int, lk: int, causal: bool, window: int) -> int:
+    """How many (query, key) pairs `causal` and `window` leave, top-left aligned."""
+    if not causal and window <= 0:
+        return lq * lk
+    return sum(
+        max(
+            0,
+            (min(i, lk - 1) if causal else lk - 1) - (max(0, i - window + 1) if window else 0) + 1,
+        )
+        for i in range(lq)
+    )
 
 
 def forward_flops(call: Call) -> int:
@@ -116,18 +136,20 @@ def attention(
     scale: float,
     causal: bool,
     masked_value: float,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    layout = _checked_layout(q, k, v, bias, mask, seed, p)
+    layout = _checked_layout(q, k, v, bias, mask, seed, p, window)
     masked_value = _finite(masked_value)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
-        *_operands4(layout, q, k, v, bias, mask), seed, stream, p, scale, causal, masked_value
-    )
+        *_operands4(layout, q, k, v, bias, mask),
+        seed, stream, p, scale, causal, masked_value, window,
+    )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
-def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
+def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -147,7 +169,7 @@ def _operands4(layout: Layout, q, k, v, bias, mask) -> list[Tensor | None]:
     ]
 
 
-def _checked_layout(q, k, v, bias, mask, seed, p) -> Layout:
+def _checked_layout(q, k, v, bias, mask, seed, p, window) -> Layout:
     """The operands' layout; errors a caller can act on, raised before any kernel runs."""
     layout = Layout.of(q, k, v)
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -165,6 +187,8 @@ def _checked_layout(q, k, v, bias, mask, seed, p) -> Layout:
         raise ValueError(f"seqfast::attention: bias must be floating point, got {bias.dtype}")
     if p > 0 and seed is None:
         raise ValueError("seqfast::attention: dropout p > 0 needs a seed tensor")
+    if window < 0:
+        raise ValueError(f"seqfast::attention: window must be >= 0 (0: none), got {window}")
     return layout
 
 
@@ -208,14 +232,14 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _common_args(q, k, v, bias, mask, masked_value, scale) -> tuple[list, list]:
+def _common_args(q, k, v, bias, mask, masked_value, scale, window) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
     pointers = [t for t in (bias, mask) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
     strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
-    return pointers, scalars
+    return pointers, scalars + ([window] if window > 0 else [])
 
 
 def _finite(value: float) -> float:
@@ -226,7 +250,7 @@ def _finite(value: float) -> float:
     return max(-limit, min(limit, value))
 
 
-def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
+def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
     out = runtime.empty((b, h, lq, d), v.dtype, q.device)
@@ -236,8 +260,8 @@ def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    (spec,) = forward_kernels_of(dict(bias=bias, mask=mask, p=p, causal=causal))
-    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
+    (spec,) = forward_kernels_of(dict(bias=bias, mask=mask, p=p, causal=causal, window=window))
+    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window)
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
     kernel_function(spec)[grid](
@@ -270,6 +294,7 @@ def attention_backward(
     causal: bool,
     masked_value: float,
     bias_grad: bool,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
     `bias_grad`."""
@@ -279,7 +304,7 @@ def attention_backward(
     q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
     dq, dk, dv, dbias = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
-        log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad,
+        log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (*grads, layout.from4(dbias, bias) if bias_grad else dbias)
@@ -287,14 +312,14 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad):  # fmt: skip
+      masked_value, bias_grad, window=0):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad,
+    masked_value, bias_grad, window=0,
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
@@ -307,7 +332,7 @@ def backward_kernels(
     shape = _scores_shape(q, k)
     dbias_full = None
     if bias_grad:
-        make = torch.zeros if causal else runtime.empty
+        make = torch.zeros if causal or window > 0 else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or lk == 0:
         for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
@@ -321,9 +346,9 @@ def backward_kernels(
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
         )  # fmt: skip
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            dict(bias=bias, mask=mask, p=p, causal=causal, bias_grad=bias_grad)
+            dict(bias=bias, mask=mask, p=p, causal=causal, window=window, bias_grad=bias_grad)
         )
-        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale)
+        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window)
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
         constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
@@ -347,23 +372,25 @@ def backward_kernels(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value = inputs
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window = inputs
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed)
     ctx.config = (stream, p, scale, causal, masked_value)
+    ctx.window = window
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 11
+        return (None,) * 12
     q, k, v, out, row_max, log_sum, bias, mask, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
-        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad
-    )
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 7
+        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad,
+        ctx.window,
+    )  # fmt: skip
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 8
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

@@ -3,7 +3,8 @@ for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
 the kernels follow: scores `q @ k^T * scale + bias`, positions the boolean `mask` rejects take
-`masked_value`, positions above the diagonal (causal) take -inf, then softmax and dropout. A row
+`masked_value`, positions above the diagonal (causal) and keys `window` or more positions before
+the query (a sliding window, when `window` > 0) take -inf, then softmax and dropout. A row
 whose every score is -inf gives zero output and zero gradients (as torch's SDPA defines it); a row
 filled with a finite `masked_value` averages over all keys (as eager softmax does).
 """
@@ -25,11 +26,21 @@ def expand_heads(t: Tensor, heads: int) -> Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
-def causal_keep(rows: int, cols: int, device: torch.device) -> Tensor:
-    """Top-left aligned lower triangle: query i sees keys j <= i."""
+def diagonal_keep(
+    rows: int, cols: int, causal: bool, window: int, device: torch.device
+) -> Tensor | None:
+    """Where query i may see key j, top-left aligned: j <= i when `causal`, i - j < `window`
+    when `window` > 0; None when both are off."""
+    if not causal and window <= 0:
+        return None
     i = torch.arange(rows, device=device)[:, None]
     j = torch.arange(cols, device=device)[None, :]
-    return j <= i
+    keep = torch.ones((), dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (j <= i)
+    if window > 0:
+        keep = keep & (i - j < window)
+    return keep.expand(rows, cols)
 
 
 def scores(
@@ -40,8 +51,9 @@ def scores(
     scale: float,
     causal: bool,
     masked_value: float,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """float32 scores after bias, mask and causal, and where each query may attend."""
+    """float32 scores after bias, mask, causal and window, and where each query may attend."""
     s = q.float() @ expand_heads(k, q.shape[1]).float().transpose(-1, -2) * scale
     if bias is not None:
         s = s + bias.float()
@@ -49,8 +61,8 @@ def scores(
     if mask is not None:
         s = s.masked_fill(~mask, masked_value)
         attend = attend & mask
-    if causal:
-        keep = causal_keep(s.shape[-2], s.shape[-1], q.device)
+    keep = diagonal_keep(s.shape[-2], s.shape[-1], causal, window, q.device)
+    if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
         attend = attend & keep
     return s, attend
@@ -82,8 +94,8 @@ def dropout_scale(
     return keep.float() / (1.0 - p)
 
 
-def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value):
-    s, _ = scores(q, k, bias, mask, scale, causal, masked_value)
+def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
+    s, _ = scores(q, k, bias, mask, scale, causal, masked_value, window)
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -106,9 +118,9 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad,
+    masked_value, bias_grad, window=0,
 ):  # fmt: skip
-    s, attend = scores(q, k, bias, mask, scale, causal, masked_value)
+    s, attend = scores(q, k, bias, mask, scale, causal, masked_value, window)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     dropped = prob if drop is None else prob * drop

@@ -40,7 +40,7 @@ from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.patterns.attention_masks import CASTS, constant
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
-from seqcompile.patterns.index_masks import split_causal
+from seqcompile.patterns.index_masks import Diagonal, narrower, split_diagonal
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -66,6 +66,8 @@ class Site:
     """Boolean masks with whether True means keep (False: True means masked)."""
     masked_value: float | None = None
     causal: bool = False
+    window: int = 0
+    """A sliding window: query i sees keys j with i - j < window (0: none)."""
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
@@ -100,8 +102,9 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
     if mask_val is not None:
         if mask_val.dtype == torch.bool:
             scores = (tensor_val(q).shape[-2], tensor_val(k).shape[-2])
-            causal, rest = split_causal(attn_mask, True, scores)
-            site.causal = site.causal or causal
+            diagonal, rest = split_diagonal(attn_mask, True, scores)
+            site.causal = site.causal or diagonal.causal
+            site.window = diagonal.window
             site.keep += rest
             site.masked_value = -math.inf
         else:
@@ -180,6 +183,26 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     return None
 
 
+def _bias_link(bias: Node, sign: float) -> Link:
+    """The link of a bias added to (sign 1) or subtracted from the scores. A bias that is 0 where
+    a mask keeps and at most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks,
+    `where(mask, 0, finfo.min)`) is read as that mask filling its value: in float32 a score plus
+    finfo.min is finfo.min, and either way the key adds nothing to a row that keeps one."""
+    node = bias
+    while is_call(node, aten.expand.default, aten.alias.default) or (
+        is_call(node, aten.slice.Tensor)
+        and tensor_val(node).shape == tensor_val(node.args[0]).shape
+    ):
+        node = node.args[0]
+    if sign > 0 and is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+        cond, kept, filled = node.args[:3]
+        for keeps, (zero, value) in ((True, (kept, filled)), (False, (filled, kept))):
+            fill = constant(value)
+            if constant(zero) == 0.0 and fill is not None and fill <= CAUSAL_FILL:
+                return ("mask", cond, keeps, fill)
+    return ("bias", bias, sign)
+
+
 def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Reject | None:
     """From the softmax's input up to the `q @ k^T` matmul, collecting links (latest first)."""
     if is_call(node, aten.matmul.default):
@@ -200,7 +223,7 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
             found = _walk_scores(above, sub_links := [], sub_nodes := [])
             bias_val = tensor_val(bias)
             if isinstance(found, Node) and bias_val is not None and not bias_val.is_complex():
-                links += [("bias", bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
+                links += [_bias_link(bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
                 nodes += [node, *sub_nodes]
                 return found
             if isinstance(found, Reject) and len(sub_nodes) > depth:
@@ -331,13 +354,14 @@ def _apply_links(
                 return Reject(
                     "a bias is added after a mask filled with {}; the kernel fills last", value
                 )
-            causal, rest = (
-                split_causal(mask, keeps, scores.shape)
+            diagonal, rest = (
+                split_diagonal(mask, keeps, scores.shape)
                 if value <= CAUSAL_FILL
-                else (False, [(mask, keeps)])
+                else (Diagonal(), [(mask, keeps)])
             )
-            if causal:
-                site.causal = True
+            if diagonal.causal or diagonal.window:
+                site.causal = site.causal or diagonal.causal
+                site.window = narrower(site.window, diagonal.window)
                 causal_fills.add(value)
             for factor, factor_keeps in rest:
                 site.keep.append((factor, factor_keeps))
@@ -483,6 +507,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 scale=site.scale,
                 causal=site.causal,
                 masked_value=masked_value,
+                window=site.window,
             )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)

@@ -4,8 +4,10 @@
 and other masks (a padding mask gathered per key) combined with `&`.
 
 A mask is split into its factors (the masks whose conjunction keeps a score), and a factor that
-compares key with query positions is read as a half-plane of the scores, `kv - q <= d` or
-`kv - q >= d`: `kv - q <= 0` is the causal triangle, which the kernel skips without reading.
+compares key with query positions (or their difference with a constant) is read as a half-plane
+of the scores, `kv - q <= d` or
+`kv - q >= d`: `kv - q <= 0` is the causal triangle and `kv - q >= 1 - w` a sliding window of w
+keys (Mistral's `kv_idx > q_idx - w`), which the kernel computes, skipping the blocks they hide.
 """
 
 from __future__ import annotations
@@ -34,21 +36,26 @@ _BROADCAST_VIEWS = (
 )
 _COMPARISONS = {
     # op: (swap the operands, strict): a <= b, a < b, b <= a, b < a
-    aten.le.Tensor: (False, False),
-    aten.lt.Tensor: (False, True),
-    aten.ge.Tensor: (True, False),
-    aten.gt.Tensor: (True, True),
+    **dict.fromkeys((aten.le.Tensor, aten.le.Scalar), (False, False)),
+    **dict.fromkeys((aten.lt.Tensor, aten.lt.Scalar), (False, True)),
+    **dict.fromkeys((aten.ge.Tensor, aten.ge.Scalar), (True, False)),
+    **dict.fromkeys((aten.gt.Tensor, aten.gt.Scalar), (True, True)),
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class Position:
-    """A tensor whose value at query row i (or key column j) is i + offset (j + offset),
-    whatever the other indices."""
+class Linear:
+    """`q * q_idx + kv * kv_idx + constant`, for the query and key positions of a score."""
 
-    axis: str
-    """"q" or "kv"."""
-    offset: int
+    q: int = 0
+    kv: int = 0
+    constant: int = 0
+
+    def __sub__(self, other: Linear) -> Linear:
+        return Linear(self.q - other.q, self.kv - other.kv, self.constant - other.constant)
+
+    def __add__(self, other: Linear) -> Linear:
+        return Linear(self.q + other.q, self.kv + other.kv, self.constant + other.constant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,19 +73,46 @@ class HalfPlane:
         return HalfPlane(not self.upper, self.bound + 1 if self.upper else self.bound - 1)
 
 
-def split_causal(
+@dataclasses.dataclass
+class Diagonal:
+    """What the kernel computes from positions instead of reading: the causal triangle (query i
+    sees keys j <= i) and a sliding window (i - j < window; 0: none)."""
+
+    causal: bool = False
+    window: int = 0
+
+    def add(self, plane: HalfPlane) -> bool:
+        """Take `plane` in, where the kernel can compute it."""
+        if plane.causal:
+            self.causal = True
+            return True
+        if not plane.upper and plane.bound <= 0:  # kv - q >= 1 - w: i - j < w
+            self.window = narrower(self.window, 1 - plane.bound)
+            return True
+        return False
+
+
+def narrower(window: int, other: int) -> int:
+    """The narrower of two sliding windows (0: none)."""
+    return min(window, other) if window and other else window or other
+
+
+def split_diagonal(
     mask: Node, keeps: bool, scores: Sequence[Any]
-) -> tuple[bool, list[tuple[Node, bool]]]:
-    """Whether the causal triangle of the shape `scores` (its last two dims) is a factor of
-    `mask`, written as `tril` of ones or as `kv_idx <= q_idx`, and the other factors."""
-    causal, rest = False, []
+) -> tuple[Diagonal, list[tuple[Node, bool]]]:
+    """The causal triangle and sliding window among `mask`'s factors (for the shape `scores`,
+    its last two dims: `tril` of ones, `kv_idx <= q_idx`, `kv_idx > q_idx - w`), and the other
+    factors."""
+    diagonal, rest = Diagonal(), []
     for factor, factor_keeps in factors(mask, keeps):
         plane = half_plane(factor, factor_keeps, scores[-2], scores[-1])
-        if (plane is not None and plane.causal) or is_causal(factor, factor_keeps, scores):
-            causal = True
+        if plane is not None and diagonal.add(plane):
+            continue
+        if is_causal(factor, factor_keeps, scores):
+            diagonal.causal = True
         else:
             rest.append((factor, factor_keeps))
-    return causal, rest
+    return diagonal, rest
 
 
 def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
@@ -103,23 +137,45 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
 
 
 def half_plane(factor: Node, keeps: bool, lq: object, lk: object) -> HalfPlane | None:
-    """The scores `factor` keeps, where it compares key and query positions; None otherwise."""
+    """The scores `factor` keeps, where it compares a difference of key and query positions
+    with a constant (`kv_idx <= q_idx`, `kv_idx > q_idx - w`, `q_idx - kv_idx < w`); None
+    otherwise."""
     if not is_call(factor, *_COMPARISONS) or len(factor.args) != 2:
         return None
     swap, strict = _COMPARISONS[factor.target]
     a, b = factor.args[::-1] if swap else factor.args
-    pa, pb = position(a, lq, lk), position(b, lq, lk)
-    if pa is None or pb is None or pa.axis == pb.axis:
+    la, lb = linear(a, lq, lk), linear(b, lq, lk)
+    if la is None or lb is None:
         return None
-    margin = -1 if strict else 0  # a < b  <=>  a <= b - 1 for integer positions
-    if pa.axis == "kv":  # kv + ca <= q + cb + margin  <=>  kv - q <= cb - ca + margin
-        kept = HalfPlane(True, pb.offset - pa.offset + margin)
-    else:  # q + ca <= kv + cb + margin  <=>  kv - q >= ca - cb - margin
-        kept = HalfPlane(False, pa.offset - pb.offset - margin)
+    form = la - lb  # form <= limit, with integer positions
+    limit = -1 if strict else 0
+    if (form.q, form.kv) == (-1, 1):  # kv - q + c <= limit
+        kept = HalfPlane(True, limit - form.constant)
+    elif (form.q, form.kv) == (1, -1):  # q - kv + c <= limit  <=>  kv - q >= c - limit
+        kept = HalfPlane(False, form.constant - limit)
+    else:
+        return None
     return kept if keeps else kept.complement()
 
 
-def position(node: object, lq: object, lk: object) -> Position | None:
+def linear(node: object, lq: object, lk: object) -> Linear | None:
+    """`node` as a linear form of the query and key positions: a constant, positions, or sums
+    and differences of them; None for anything else."""
+    number = _integer(node)
+    if number is not None:
+        return Linear(constant=number)
+    at = position(node, lq, lk)
+    if at is not None:
+        return at
+    if is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2 and not node.kwargs:
+        a, b = (linear(x, lq, lk) for x in node.args)
+        if a is None or b is None:
+            return None
+        return a + b if node.target is aten.add.Tensor else a - b
+    return None
+
+
+def position(node: object, lq: object, lk: object) -> Linear | None:
     """Whether `node` holds query (or key) positions plus a constant, along the scores' last
     two dims: an `arange` with unit step, through integer offsets and views that only add or
     remove size-1 dims or broadcast."""
@@ -129,15 +185,15 @@ def position(node: object, lq: object, lk: object) -> Position | None:
     varying = [d for d in range(value.dim()) if not statically_known_true(value.shape[d] == 1)]
     if len(varying) != 1 or value.dim() - varying[0] > 2:
         return None
-    axis = "kv" if varying[0] == value.dim() - 1 else "q"
-    length = lk if axis == "kv" else lq
+    on_keys = varying[0] == value.dim() - 1
+    length = lk if on_keys else lq
     offset = 0
     while not is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
         if is_call(node, *_BROADCAST_VIEWS) or _int_cast(node):
             node = node.args[0]
         elif is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
             step = _integer(node.args[1])
-            if step is None or not isinstance(node.args[0], Node):
+            if step is None or not isinstance(node.args[0], Node) or node.kwargs:
                 return None
             offset += step if node.target is aten.add.Tensor else -step
             node = node.args[0]
@@ -154,7 +210,7 @@ def position(node: object, lq: object, lk: object) -> Position | None:
     start = _integer(start)
     if start is None or step != 1 or not statically_known_true(end - start == length):
         return None
-    return Position(axis, offset + start)
+    return Linear(q=int(not on_keys), kv=int(on_keys), constant=offset + start)
 
 
 def _integer(value: object) -> int | None:

@@ -103,7 +103,7 @@ def seq2seq_batch() -> dict[str, Any]:
     )
 
 
-def _hf(model_class: str, config_class: str, **config: Any) -> Callable[[str], nn.Module]:
+def hf_model(model_class: str, config_class: str, **config: Any) -> Callable[[str], nn.Module]:
     def build(implementation: str) -> nn.Module:
         import transformers
 
@@ -119,7 +119,7 @@ _DECODER = dict(
     num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )  # fmt: skip
-_GQA = dict(_DECODER, num_key_value_heads=HEADS // 2)
+GQA = dict(_DECODER, num_key_value_heads=HEADS // 2)
 _BERT = dict(
     vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
     intermediate_size=FFN, max_position_embeddings=POSITIONS,
@@ -182,28 +182,28 @@ hidden = projected(lambda out: out.last_hidden_state)
 # - activations: one MLP activation per layer (per feed-forward block in encoder-decoders).
 CAUSAL_LM = [
     # pre-norm: input_layernorm and post_attention_layernorm per layer, then the final norm
-    Case("llama-gqa", _hf("LlamaForCausalLM", "LlamaConfig", **_GQA),
+    Case("llama-gqa", hf_model("LlamaForCausalLM", "LlamaConfig", **GQA),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED),
     # LLaMA's layers (Qwen2 with biases on q, k and v)
-    Case("mistral", _hf("MistralForCausalLM", "MistralConfig", **_GQA),
+    Case("mistral", hf_model("MistralForCausalLM", "MistralConfig", **GQA),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED, slow=True),
-    Case("qwen2", _hf("Qwen2ForCausalLM", "Qwen2Config", **_GQA),
+    Case("qwen2", hf_model("Qwen2ForCausalLM", "Qwen2Config", **GQA),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED, slow=True),
     # GemmaRMSNorm scales by (1 + weight) in float32
-    Case("gemma", _hf("GemmaForCausalLM", "GemmaConfig", head_dim=WIDTH // HEADS, **_GQA),
+    Case("gemma", hf_model("GemmaForCausalLM", "GemmaConfig", head_dim=WIDTH // HEADS, **GQA),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED),
     # parallel residual: both norms of a layer read the same input
-    Case("gpt-neox", _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_dropout=0.0,
+    Case("gpt-neox", hf_model("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_dropout=0.0,
                          attention_dropout=0.0, **_DECODER),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED),
     # do_layer_norm_before: self_attn_layer_norm and final_layer_norm per layer, then the
     # decoder's final_layer_norm
-    Case("opt", _hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=WIDTH,
+    Case("opt", hf_model("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=WIDTH,
                     ffn_dim=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                     max_position_embeddings=POSITIONS, word_embed_proj_dim=WIDTH, dropout=0.0,
                     attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
@@ -212,7 +212,7 @@ CAUSAL_LM = [
     # word_embeddings_layernorm, two per layer, ln_f; ALiBi attention, eager only. In training
     # its GELU is a custom autograd.Function whose backward is exact GELU's derivative, not that
     # of its forward (the tanh approximation): it must run as written, one refusal per layer
-    Case("bloom", _hf("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=WIDTH,
+    Case("bloom", hf_model("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=WIDTH,
                       n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 2, 1), 0, ("eager",),
@@ -220,19 +220,19 @@ CAUSAL_LM = [
     # ln_1 and ln_2 per layer, ln_f. GPT2LMHeadModel's name matches no loss type, so its
     # `loss_function` logs a warning, where Dynamo breaks the graph: the loss compiles in a graph
     # of its own that takes the logits as an input, and no projection is there to refuse
-    Case("gpt2", _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=POSITIONS,
+    Case("gpt2", hf_model("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=POSITIONS,
                      n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH),
     # beyond the list, in the slow tier. MPT: norm_1 and norm_2 per block, norm_f; its ALiBi
     # slopes are 2 ** x and its mask is negated again per layer (a region read before it ends)
-    Case("mpt", _hf("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=WIDTH,
+    Case("mpt", hf_model("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=WIDTH,
                     n_layers=LAYERS, n_heads=HEADS, max_seq_len=POSITIONS, pad_token_id=0),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, ("eager",),
          LOGITS_RETURNED, slow=True),
     # Falcon with ALiBi: one input_layernorm per layer (parallel attention and MLP), ln_f; the
     # scores are scaled in place (`attention_logits *= inv_norm_factor`)
-    Case("falcon-alibi", _hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,
+    Case("falcon-alibi", hf_model("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,
                              hidden_size=WIDTH, num_hidden_layers=LAYERS,
                              num_attention_heads=HEADS, alibi=True, hidden_dropout=0.0,
                              attention_dropout=0.0, bos_token_id=1, eos_token_id=2),
@@ -240,7 +240,7 @@ CAUSAL_LM = [
          LOGITS_RETURNED, slow=True),
     # GPT-J: ln_1 per layer (parallel attention and MLP), ln_f; q and k upcast to float32 and
     # the scores divided by a tensor attribute (a constant once captured)
-    Case("gpt-j", _hf("GPTJForCausalLM", "GPTJConfig", vocab_size=VOCAB, n_embd=WIDTH,
+    Case("gpt-j", hf_model("GPTJForCausalLM", "GPTJConfig", vocab_size=VOCAB, n_embd=WIDTH,
                       n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=POSITIONS,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
                       eos_token_id=2),
@@ -250,17 +250,17 @@ CAUSAL_LM = [
 
 ENCODERS = [
     # post-norm: the embeddings' LayerNorm, then two per layer (after attention, after the MLP)
-    Case("bert-padding", _hf("BertModel", "BertConfig", **_BERT),
+    Case("bert-padding", hf_model("BertModel", "BertConfig", **_BERT),
          encoder_batch, hidden, sites(LAYERS, 2 * LAYERS + 1, 0), LAYERS, BOTH),
     # BERT's layers, positions counted from the padding
-    Case("roberta", _hf("RobertaModel", "RobertaConfig", **_BERT),
+    Case("roberta", hf_model("RobertaModel", "RobertaConfig", **_BERT),
          encoder_batch, hidden, sites(LAYERS, 2 * LAYERS + 1, 0), LAYERS, BOTH, slow=True),
-    Case("distilbert", _hf("DistilBertModel", "DistilBertConfig", vocab_size=VOCAB, dim=WIDTH,
+    Case("distilbert", hf_model("DistilBertModel", "DistilBertConfig", vocab_size=VOCAB, dim=WIDTH,
                            n_layers=LAYERS, n_heads=HEADS, hidden_dim=FFN,
                            max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0),
          encoder_batch, hidden, sites(LAYERS, 2 * LAYERS + 1, 0), LAYERS, BOTH),
     # pre-norm: layernorm_before and layernorm_after per layer, then the final layernorm
-    Case("vit", _hf("ViTModel", "ViTConfig", hidden_size=WIDTH, num_hidden_layers=LAYERS,
+    Case("vit", hf_model("ViTModel", "ViTConfig", hidden_size=WIDTH, num_hidden_layers=LAYERS,
                     num_attention_heads=HEADS, intermediate_size=FFN, image_size=16,
                     patch_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
          vit_batch, hidden, sites(LAYERS, 2 * LAYERS + 1, 0), LAYERS, BOTH),
@@ -268,17 +268,17 @@ ENCODERS = [
 
 ENCODER_DECODERS = [
     # encoder: two per layer and a final layer_norm; decoder: three per layer and a final one
-    Case("whisper", _hf("WhisperModel", "WhisperConfig", **_WHISPER),
+    Case("whisper", hf_model("WhisperModel", "WhisperConfig", **_WHISPER),
          whisper_batch, hidden, sites(3 * LAYERS, 5 * LAYERS + 2, 0), 2 * LAYERS, BOTH),
     # T5LayerNorm is RMSNorm written out: one per sublayer (two per encoder layer, three per
     # decoder layer) and a final_layer_norm per stack; the gated-GELU feed-forward is the
     # activation site
-    Case("t5-v1.1", _hf("T5ForConditionalGeneration", "T5Config", **_T5_V1_1),
+    Case("t5-v1.1", hf_model("T5ForConditionalGeneration", "T5Config", **_T5_V1_1),
          t5_batch, own_loss, sites(3 * LAYERS, 5 * LAYERS + 2, 1), 2 * LAYERS, BOTH,
          LOGITS_RETURNED),
     # post-norm: layernorm_embedding per stack, two per encoder layer, three per decoder layer,
     # no final norm
-    Case("bart", _hf("BartModel", "BartConfig", **_BART),
+    Case("bart", hf_model("BartModel", "BartConfig", **_BART),
          seq2seq_batch, hidden, sites(3 * LAYERS, 5 * LAYERS + 2, 0), 2 * LAYERS, BOTH,
          slow=True),
 ]  # fmt: skip

@@ -28,9 +28,9 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0):  # fmt: skip
+             keep=None, p=0.0, window=0):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
-    bias, mask and causal. A row whose every score is -inf gives 0, as SDPA defines it."""
+    bias, mask, causal and window. A row whose every score is -inf gives 0, as SDPA defines it."""
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] > k.shape[-3] > 1:
         group = q.shape[-3] // k.shape[-3]  # grouped-query heads: query head h reads h // group
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
@@ -42,6 +42,10 @@ def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value
     if causal:
         above = ~torch.ones(s.shape[-2:], dtype=torch.bool).tril()  # top-left: key j <= query i
         s = s.masked_fill(above, -math.inf)
+    if window:
+        rows, cols = s.shape[-2:]  # query i sees keys j with i - j < window
+        far = torch.arange(rows)[:, None] - torch.arange(cols)[None, :] >= window
+        s = s.masked_fill(far, -math.inf)
     dead = (s == -math.inf).all(-1, keepdim=True)
     prob = s.masked_fill(dead, 0.0).softmax(-1).masked_fill(dead, 0.0)
     if keep is not None:
@@ -63,7 +67,7 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
-                    p=0.0, seed=20240917, stream=3, scale=None):  # fmt: skip
+                    p=0.0, seed=20240917, stream=3, scale=None, window=0):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
     gradients (in the order q, k, v, bias)."""
@@ -71,7 +75,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
-        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value
+        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window
     )
     operands = [t for t in (q, k, v, bias) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
@@ -81,7 +85,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     dq_, dk_, dv_, *rest = doubles
     expected, s = composed(
         dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
-        masked_value=masked_value, keep=keep, p=p,
+        masked_value=masked_value, keep=keep, p=p, window=window,
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -289,6 +293,38 @@ def test_causal_with_padding_mask(impl, masked_value):
         vd = v.detach()[1].double()
         means = torch.stack([vd[:, : i + 1].mean(-2) for i in range(3)], 1)
         torch.testing.assert_close(out[1, :, :3].double(), means, **TOLERANCES[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+# sliding window
+
+
+@pytest.mark.parametrize(
+    "lq,lk,window,causal",
+    [(40, 40, 5, True), (40, 40, 17, True), (33, 17, 40, True), (17, 33, 3, False),
+     (40, 40, 1, True)],
+)  # fmt: skip
+def test_sliding_window(impl, lq, lk, window, causal):
+    """Query i sees keys j with i - j < window (and j <= i when causal); the key blocks before a
+    row block's windows and the query blocks after a key block's are skipped."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = qkv(g, 1, 2, lq, lk, 16)
+    out, (dq, dk, dv) = run_and_compare(q, k, v, causal=causal, window=window)
+    if window == 1 and causal:  # each query sees its own key only
+        torch.testing.assert_close(out, v.detach(), **TOLERANCES[torch.float32])
+
+
+def test_sliding_window_with_padding_and_a_learned_bias(impl):
+    """The bias gradient is 0 outside the window (blocks the kernels skip write nothing)."""
+    g = torch.Generator().manual_seed(10)
+    b, h, length, d = 2, 2, 37, 16
+    q, k, v = qkv(g, b, h, length, length, d)
+    bias = randn(g, 1, h, length, length)
+    mask = torch.rand(b, 1, 1, length, generator=g) > 0.2
+    mask[..., 0] = True
+    _, (_, _, _, dbias) = run_and_compare(q, k, v, bias, mask, causal=True, window=6)
+    far = torch.arange(length)[:, None] - torch.arange(length)[None, :] >= 6
+    assert torch.equal(dbias[..., far], torch.zeros_like(dbias[..., far]))
 
 
 # --------------------------------------------------------------------------------------------

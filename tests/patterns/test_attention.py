@@ -219,7 +219,9 @@ def test_lower_triangle_is_read_as_causal(apply_causal):
 
     report = fused(fn, qkv(lq=6, lk=6))
     (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
-    assert dict(forward.key) == dict(bias=False, mask=False, dropout=False, causal=True)
+    assert dict(forward.key) == dict(
+        bias=False, mask=False, dropout=False, causal=True, window=False
+    )
 
 
 def test_causal_with_a_padding_mask():
@@ -266,7 +268,9 @@ def test_a_causal_mask_from_positions_is_read_as_causal(keep):
         return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(bias=False, mask=False, dropout=False, causal=True)
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=False, dropout=False, causal=True, window=False
+    )
 
 
 def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
@@ -275,7 +279,9 @@ def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
         return softmax_v(scores(q, k).masked_fill(kv_idx > q_idx, -math.inf), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(bias=False, mask=False, dropout=False, causal=True)
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=False, dropout=False, causal=True, window=False
+    )
 
 
 def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding():
@@ -290,18 +296,45 @@ def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10).view(B, 10)])
-    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=True)
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=True, dropout=False, causal=True, window=False
+    )
+
+
+@pytest.mark.parametrize(
+    "keep, causal",
+    [
+        (lambda q_idx, kv_idx: (kv_idx <= q_idx) & (kv_idx > q_idx - 4), True),
+        (
+            lambda q_idx, kv_idx: (q_idx - 4 < kv_idx) & (kv_idx <= q_idx) & (kv_idx > q_idx - 6),
+            True,
+        ),
+        (lambda q_idx, kv_idx: (q_idx - kv_idx < 3) & (kv_idx - q_idx <= 0), True),
+        (lambda q_idx, kv_idx: q_idx - kv_idx < 3, False),
+        (lambda q_idx, kv_idx: kv_idx >= q_idx, False),  # a window of 1 without causal
+    ],
+    ids=["mistral", "two_windows", "differences", "window_only", "upper_triangle"],
+)
+def test_a_sliding_window_from_positions_is_computed_in_the_kernel(keep, causal):
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(scores(q, k).masked_fill(~keep(q_idx, kv_idx), -math.inf), v)
+
+    report = fused(fn, qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=False, dropout=False, causal=causal, window=True
+    )
 
 
 @pytest.mark.parametrize(
     "keep",
     [
         lambda q_idx, kv_idx: kv_idx <= q_idx + 1,
-        lambda q_idx, kv_idx: kv_idx >= q_idx,
-        lambda q_idx, kv_idx: kv_idx - q_idx <= 0,
+        lambda q_idx, kv_idx: kv_idx - 2 * q_idx <= 0,
         lambda q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 3),
+        lambda q_idx, kv_idx: kv_idx > q_idx,
     ],
-    ids=["shifted_diagonal", "upper_triangle", "difference", "or_prefix"],
+    ids=["shifted_diagonal", "scaled_difference", "or_prefix", "future_only"],
 )
 def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
     def fn(q, k, v):
@@ -309,7 +342,9 @@ def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
         return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=False)
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=True, dropout=False, causal=False, window=False
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,7 +504,9 @@ def scores(q, k):
 )
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
-    assert forward_kernel_key(report) == dict(bias=False, mask=True, dropout=False, causal=False)
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=True, dropout=False, causal=False, window=False
+    )
 
 
 def test_a_finite_fill_before_a_bias_stays_unfused():

@@ -1,0 +1,52 @@
+"""Hugging Face causal LMs' attention masks, built from position comparisons (`kv_idx <= q_idx`,
+Mistral's `kv_idx > q_idx - sliding_window`) and a padding mask: the kernel computes the causal
+triangle and the window from positions and reads only the padding, with either attention
+implementation, and a training step matches eager."""
+
+import pytest
+import torch
+
+from models.real_models import GQA, Case, causal_lm_batch, hf_model, own_loss, sites
+from models.test_real_models import assert_gradients_match, step
+from seqcompile.report import collecting
+
+pytest.importorskip("transformers")
+
+WINDOW = 4
+"""Shorter than the batch's 10 tokens."""
+
+MODELS = {
+    "llama": (hf_model("LlamaForCausalLM", "LlamaConfig", **GQA), False),
+    "mistral-window": (
+        hf_model("MistralForCausalLM", "MistralConfig", sliding_window=WINDOW, **GQA),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("model", MODELS)
+def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, implementation):
+    build, windowed = MODELS[model]
+    case = Case(model, build, causal_lm_batch, own_loss, sites(2, 5, 1), 2, (implementation,))
+    eager, expected, _ = step(case, implementation, compiled=False)
+    fast, loss, report = step(case, implementation, compiled=True)
+    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    assert keys and all(
+        key == dict(bias=False, mask=True, dropout=False, causal=True, window=windowed)
+        for key in keys
+    ), keys
+    torch.testing.assert_close(loss, expected)
+    assert_gradients_match(fast, eager)
+
+
+def test_the_window_changes_the_answer():
+    """The window is shorter than the sequence, so a model that ignored it would differ."""
+    build, _ = MODELS["mistral-window"]
+    torch.manual_seed(0)
+    windowed = build("sdpa")
+    torch.manual_seed(0)
+    wide = hf_model("MistralForCausalLM", "MistralConfig", sliding_window=None, **GQA)("sdpa")
+    batch = causal_lm_batch()
+    with torch.no_grad(), collecting():
+        assert not torch.allclose(own_loss(windowed(**batch)), own_loss(wide(**batch)))
