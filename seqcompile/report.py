@@ -97,6 +97,9 @@ class CompileReport:
     variants: list[str] = dataclasses.field(default_factory=list)
     """Fused ops whose backward stage 5 changed to another variant (an in-place twin, a
     region backward adding its gradient terms), as "graph: node: variant"."""
+    sites: list[str] = dataclasses.field(default_factory=list)
+    """What fused sites compute at the traced sizes beyond their kernels (attention's masks and
+    the blocks it skips), as "graph op: site: description"."""
     withdrawn: tuple[str, ...] = ()
     """Graphs whose kernels, memory plans and backward variants this report takes back where it is
     merged: `verify` replaced their compile (by one without some sites, or by eager)."""
@@ -110,6 +113,7 @@ class CompileReport:
         self.kernels = [k for k in self.kernels if k.graph not in gone]
         self.memory = [m for m in self.memory if m.graph not in gone]
         self.variants = [v for v in self.variants if v.split(":", 1)[0] not in gone]
+        self.sites = [v for v in self.sites if v.split(" ", 1)[0] not in gone]
         self.counts.update(other.counts)
         self.missed.extend(other.missed)
         for kernel in other.kernels:
@@ -118,6 +122,7 @@ class CompileReport:
         self.graphs.extend(other.graphs)
         self.verified.extend(other.verified)
         self.variants.extend(other.variants)
+        self.sites.extend(other.sites)
 
     def __str__(self) -> str:
         lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
@@ -130,6 +135,8 @@ class CompileReport:
         lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
         lines += ["", "generated kernels (those the compiled graphs launch):"]
         lines += _kernel_lines(self.kernels) or ["  (none)"]
+        if self.sites:
+            lines += ["", "fused sites at the traced sizes:"] + [f"  {v}" for v in self.sites]
         if self.variants:
             lines += ["", "backward variants:"] + [f"  {v}" for v in self.variants]
         lines += ["", "memory of the step (at traced sizes):"]

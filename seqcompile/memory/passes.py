@@ -213,7 +213,12 @@ def list_kernels(
         if entry is None:
             continue
         _give_values(node.all_input_nodes, state.fake_mode)
-        label = entry.label_of(Call.of(node))
+        call = Call.of(node)
+        label = entry.label_of(call)
+        if node.target is entry.forward and entry.describe is not None:
+            description = entry.describe(call)
+            if description:
+                state.report.sites.append(f"{state.name} {label}: {site_name(node)}: {description}")
         for spec in registry.kernels_of(node):
             if spec in listed:
                 continue

@@ -111,6 +111,38 @@ def backward_flops(call: Call) -> int:
     return _products(call, 3, 2)
 
 
+def describe(call: Call) -> str | None:
+    """The masks a call computes from positions or reads, and the key blocks its forward visits
+    at the traced sizes with this device's tiles (None for plain attention)."""
+    q, k = call.value("q"), call.value("k")
+    kinds = (["causal"] if call["causal"] else []) + (
+        [f"sliding window {call['window']}"] if call["window"] else []
+    )
+    for name in ("mask", "bias"):
+        if call[name] is not None:
+            kinds.append(f"reads a {name} {tuple(concrete(n) for n in call.value(name).shape)}")
+    if not kinds:
+        return None
+    tiles = _blocks(q)
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
+    tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
+    return f"{', '.join(kinds)}; the forward visits {visited} of {total} {tile} blocks per head"
+
+
+def key_blocks(
+    lq: int, lk: int, causal: bool, window: int, BLOCK_M: int, BLOCK_N: int, **_: int
+) -> tuple[int, int]:
+    """Key blocks the forward kernel visits over all query blocks of one head, and all there
+    are, with the bounds its loops take from `causal` and `window`."""
+    visited = 0
+    for start_m in range(0, lq, BLOCK_M):
+        end = min(lk, start_m + BLOCK_M) if causal else lk
+        start = max(start_m - window + 1, 0) // BLOCK_N * BLOCK_N if window else 0
+        visited += max(0, -(-(end - start) // BLOCK_N))
+    return visited, -(-lq // BLOCK_M) * -(-lk // BLOCK_N)
+
+
 def backward_workspace(call: Call) -> int:
     """Each query row's delta, and the float32 bias gradient at the scores' full size before it is
     summed to the bias's shape (when the bias needs one)."""
@@ -412,4 +444,5 @@ ENTRY = FusedOp(
         torch.ops.seqfast.attention_backward.default: backward_flops,
     },
     workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
+    describe=describe,
 )

@@ -134,6 +134,9 @@ class FusedOp:
     into the parameter gradient `buffer` inside the op, returning whether it could."""
     label: Callable[[Call], str | None] | None = None
     """The name a call's kernels go by where it is not `name` (a user pattern's region)."""
+    describe: Callable[[Call], str | None] | None = None
+    """What the report says about a forward call at the traced sizes, beyond its kernels (the
+    masks attention computes or reads, and the blocks it skips)."""
 
     def label_of(self, call: Call) -> str:
         named = self.label(call) if self.label is not None else None

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
+from seqcompile.ops.attention import key_blocks
+from seqcompile.ops.attention_reference import diagonal_keep
 from seqcompile.report import collecting
 
 B, H, LQ, LK, D = 2, 2, 5, 7, 8
@@ -323,6 +325,36 @@ def test_a_sliding_window_from_positions_is_computed_in_the_kernel(keep, causal)
     report = fused(fn, qkv(lq=10, lk=10))
     assert forward_kernel_key(report) == dict(
         bias=False, mask=False, dropout=False, causal=causal, window=True
+    )
+
+
+def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits():
+    """40 positions in 16x16 tiles (CPU), causal with a window of 5: the first query block
+    visits 1 key block, the others 2 each, of 9."""
+
+    def fn(q, k, v, keep):
+        q_idx, kv_idx = positions(q.shape[-2])
+        window = (kv_idx <= q_idx) & (q_idx - kv_idx < 5)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window & keep)
+
+    report = fused(fn, [*qkv(lq=40, lk=40), padding(lk=40)])
+    (line,) = report.sites
+    assert line.endswith(
+        "causal, sliding window 5, reads a mask (2, 1, 1, 40);"
+        " the forward visits 5 of 9 16x16 blocks per head"
+    ), line
+
+
+@pytest.mark.parametrize(
+    "lq, lk, causal, window", [(40, 40, True, 5), (40, 40, False, 17), (33, 70, True, 0)]
+)
+def test_the_counted_blocks_are_those_with_a_visible_pair(lq, lk, causal, window):
+    keep = diagonal_keep(lq, lk, causal, window, torch.device("cpu"))
+    blocks = F.pad(keep, (0, -lk % 16, 0, -lq % 16)).view(-(-lq // 16), 16, -(-lk // 16), 16)
+    visible = int(blocks.any(3).any(1).sum())
+    assert key_blocks(lq, lk, causal, window, BLOCK_M=16, BLOCK_N=16) == (
+        visible,
+        blocks.shape[0] * blocks.shape[2],
     )
 
 
