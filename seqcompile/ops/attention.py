@@ -2,7 +2,8 @@
 schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
-    out = dropout(softmax(where(mask, q @ k^T * scale + bias, masked_value), causal, window), p) @ v
+    scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
+    out = dropout(softmax(where(mask, scores + bias, masked_value), causal, window), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
@@ -61,6 +62,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
         dropout=call["p"] > 0,
         causal=call["causal"],
         window=call["window"] > 0,
+        softcap=call["softcap"] != 0,
     )
 
 
@@ -118,6 +120,8 @@ def describe(call: Call) -> str | None:
     kinds = (["causal"] if call["causal"] else []) + (
         [f"sliding window {call['window']}"] if call["window"] else []
     )
+    if call["softcap"]:
+        kinds.append(f"scores soft-capped at {call['softcap']:g}")
     for name in ("mask", "bias"):
         if call[name] is not None:
             kinds.append(f"reads a {name} {tuple(concrete(n) for n in call.value(name).shape)}")
@@ -169,19 +173,20 @@ def attention(
     causal: bool,
     masked_value: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     layout = _checked_layout(q, k, v, bias, mask, seed, p, window)
     masked_value = _finite(masked_value)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
-        seed, stream, p, scale, causal, masked_value, window,
+        seed, stream, p, scale, causal, masked_value, window, softcap,
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
-def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
+def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0):
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -264,14 +269,14 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _common_args(q, k, v, bias, mask, masked_value, scale, window) -> tuple[list, list]:
+def _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
     pointers = [t for t in (bias, mask) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
     strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
-    return pointers, scalars + ([window] if window > 0 else [])
+    return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
 
 
 def _finite(value: float) -> float:
@@ -282,7 +287,9 @@ def _finite(value: float) -> float:
     return max(-limit, min(limit, value))
 
 
-def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
+def forward_kernels(
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0
+):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
     out = runtime.empty((b, h, lq, d), v.dtype, q.device)
@@ -292,8 +299,9 @@ def forward_kernels(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    (spec,) = forward_kernels_of(dict(bias=bias, mask=mask, p=p, causal=causal, window=window))
-    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window)
+    flags = dict(bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap)
+    (spec,) = forward_kernels_of(flags)
+    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap)
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
     kernel_function(spec)[grid](
@@ -327,6 +335,7 @@ def attention_backward(
     masked_value: float,
     bias_grad: bool,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
     `bias_grad`."""
@@ -337,6 +346,7 @@ def attention_backward(
     dq, dk, dv, dbias = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
+        softcap,
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (*grads, layout.from4(dbias, bias) if bias_grad else dbias)
@@ -344,14 +354,14 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad, window=0):  # fmt: skip
+      masked_value, bias_grad, window=0, softcap=0.0):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0,
+    masked_value, bias_grad, window=0, softcap=0.0,
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
@@ -378,9 +388,12 @@ def backward_kernels(
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
         )  # fmt: skip
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            dict(bias=bias, mask=mask, p=p, causal=causal, window=window, bias_grad=bias_grad)
-        )
-        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window)
+            dict(
+                bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap,
+                bias_grad=bias_grad,
+            )
+        )  # fmt: skip
+        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap)
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
         constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
@@ -404,25 +417,25 @@ def backward_kernels(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window = inputs
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed)
     ctx.config = (stream, p, scale, causal, masked_value)
-    ctx.window = window
+    ctx.window_softcap = (window, softcap)
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 12
+        return (None,) * 13
     q, k, v, out, row_max, log_sum, bias, mask, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
         grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad,
-        ctx.window,
+        *ctx.window_softcap,
     )  # fmt: skip
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 8
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 9
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

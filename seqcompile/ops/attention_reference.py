@@ -2,7 +2,8 @@
 for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
-the kernels follow: scores `q @ k^T * scale + bias`, positions the boolean `mask` rejects take
+the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
+`softcap` is not 0, plus `bias`; positions the boolean `mask` rejects take
 `masked_value`, positions above the diagonal (causal) and keys `window` or more positions before
 the query (a sliding window, when `window` > 0) take -inf, then softmax and dropout. A row
 whose every score is -inf gives zero output and zero gradients (as torch's SDPA defines it); a row
@@ -52,9 +53,16 @@ def scores(
     causal: bool,
     masked_value: float,
     window: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """float32 scores after bias, mask, causal and window, and where each query may attend."""
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """float32 scores after soft cap, bias, mask, causal and window, where each query may
+    attend, and the soft cap's derivative (None without one)."""
     s = q.float() @ expand_heads(k, q.shape[1]).float().transpose(-1, -2) * scale
+    slope = None
+    if softcap:
+        capped = torch.tanh(s)
+        slope = softcap * (1 - capped * capped)
+        s = softcap * capped
     if bias is not None:
         s = s + bias.float()
     attend = torch.ones((), dtype=torch.bool, device=q.device).expand(s.shape)
@@ -65,7 +73,7 @@ def scores(
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
         attend = attend & keep
-    return s, attend
+    return s, attend, slope
 
 
 def row_statistics(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,8 +102,10 @@ def dropout_scale(
     return keep.float() / (1.0 - p)
 
 
-def forward(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0):
-    s, _ = scores(q, k, bias, mask, scale, causal, masked_value, window)
+def forward(
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0
+):  # fmt: skip
+    s, _, _ = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap)
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -118,9 +128,9 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0,
+    masked_value, bias_grad, window=0, softcap=0.0,
 ):  # fmt: skip
-    s, attend = scores(q, k, bias, mask, scale, causal, masked_value, window)
+    s, attend, slope = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     dropped = prob if drop is None else prob * drop
@@ -132,9 +142,11 @@ def backward(
         dp = dp * drop
     delta = (do * out.float()).sum(-1, keepdim=True)
     ds = torch.where(attend, prob * (dp - delta), 0.0)
+    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else no_bias_grad(q, bias)
+    if slope is not None:
+        ds = ds * slope
     dq = ds @ expand_heads(k, heads).float() * scale
     dk = ds.transpose(-1, -2) @ q.float() * scale
-    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else no_bias_grad(q, bias)
     return (
         dq.to(q.dtype),
         _sum_heads(dk, kv_heads).to(k.dtype),

@@ -68,6 +68,8 @@ class Site:
     causal: bool = False
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
+    softcap: float = 0.0
+    """The scores are `softcap * tanh(q @ k^T * scale)` (0: plain `q @ k^T * scale`)."""
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
@@ -156,6 +158,8 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     """What `node` does to the scores, and the operands that may continue the chain upward."""
     if is_call(node, *CASTS):
         return ("cast",), [node.args[0]]
+    if is_call(node, aten.tanh.default):
+        return ("tanh",), [node.args[0]]
     if _batch_reshape(node):
         return ("batch", node.args[0]), [node.args[0]]
     factor = _scale_factor(node)
@@ -329,14 +333,20 @@ def _same_batch(a: Node, b: Node) -> bool:
 def _apply_links(
     site: Site, links: list[Link], scores: torch.Tensor, softmax: Node
 ) -> Site | Reject:
-    """Fold the links (latest first, from the softmax up) into the site's scale, biases and
-    masks: a scale after a bias or a fill scales that bias or value too. The kernel adds the bias
-    before it fills, so a finite fill must not come before a bias add."""
+    """Fold the links (latest first, from the softmax up) into the site's scale, soft cap, biases
+    and masks: a scale after a bias or a fill scales that bias or value too, and the scales
+    after a `tanh` are its cap, those before it the scale inside. The kernel caps, then adds the
+    bias, then fills, so a finite fill must not come before a bias add, and nothing but scales
+    before the `tanh`."""
     factor_after = 1.0
-    values, causal_fills, bias_seen = set(), set(), False
+    values, causal_fills, bias_seen, capped = set(), set(), False, False
     frame = softmax
     for link in links:
-        if link[0] == "batch":
+        if capped and link[0] in ("bias", "mask", "shift", "tanh"):
+            return Reject("a {} before a tanh of the scores; the kernel caps q @ k^T only", link[0])
+        if link[0] == "tanh":
+            site.softcap, factor_after, capped = factor_after, 1.0, True
+        elif link[0] == "batch":
             frame = link[1]
         elif link[0] == "bias" and not _same_batch(frame, softmax):
             site.frames[link[1]] = frame
@@ -508,6 +518,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 causal=site.causal,
                 masked_value=masked_value,
                 window=site.window,
+                softcap=site.softcap,
             )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)

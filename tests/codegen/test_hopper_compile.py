@@ -79,10 +79,10 @@ ATTENTION = textwrap.dedent(
                     DOT_PRECISION=precision)
 
     variants = [
-        dict(bias=False, mask=False, dropout=False, causal=False, window=False),
-        dict(bias=True, mask=True, dropout=True, causal=True, window=True),
-        dict(bias=True, mask=False, dropout=True, causal=False, window=False),
-        dict(bias=False, mask=True, dropout=False, causal=True, window=True),
+        dict(bias=False, mask=False, dropout=False, causal=False, window=False, softcap=True),
+        dict(bias=True, mask=True, dropout=True, causal=True, window=True, softcap=False),
+        dict(bias=True, mask=False, dropout=True, causal=False, window=False, softcap=True),
+        dict(bias=False, mask=True, dropout=False, causal=True, window=True, softcap=False),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
     for flags, (data, head_dim, precision) in zip(variants, cases + cases[:1]):
@@ -93,7 +93,7 @@ ATTENTION = textwrap.dedent(
     # contiguous head dims, one key/value head per query head and the first dropout stream arrive
     # as the constant 1
     ones = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=1, stream=1)
-    flags = dict(bias=True, mask=True, dropout=True, causal=False, window=False)
+    flags = dict(bias=True, mask=True, dropout=True, causal=False, window=False, softcap=False)
     compile(attention.forward_spec(**flags), "*bf16", {**tiles(128, "tf32"), **ones})
     for spec in attention.backward_specs(bias_grad=True, **flags)[1:]:
         compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs' attention masks, built from position comparisons (`kv_idx <= q_idx`,
 Mistral's `kv_idx > q_idx - sliding_window`) and a padding mask: the kernel computes the causal
 triangle and the window from positions and reads only the padding, with either attention
-implementation, and a training step matches eager."""
+implementation, and a training step matches eager. Gemma 2 adds soft-capped scores and
+alternates windowed and global layers."""
 
 import pytest
 import torch
@@ -33,7 +34,8 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     fast, loss, report = step(case, implementation, compiled=True)
     keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert keys and all(
-        key == dict(bias=False, mask=True, dropout=False, causal=True, window=windowed)
+        key
+        == dict(bias=False, mask=True, dropout=False, causal=True, window=windowed, softcap=False)
         for key in keys
     ), keys
     torch.testing.assert_close(loss, expected)
@@ -50,3 +52,20 @@ def test_the_window_changes_the_answer():
     batch = causal_lm_batch()
     with torch.no_grad(), collecting():
         assert not torch.allclose(own_loss(windowed(**batch)), own_loss(wide(**batch)))
+
+
+def test_gemma2_caps_its_scores_and_windows_every_other_layer():
+    build = hf_model(
+        "Gemma2ForCausalLM", "Gemma2Config", head_dim=8, attn_logit_softcapping=50.0,
+        final_logit_softcapping=None, sliding_window=WINDOW, query_pre_attn_scalar=8, **GQA,
+    )  # fmt: skip
+    case = Case("gemma2", build, causal_lm_batch, own_loss, sites(2, 9, 1), 2, ("eager",))
+    eager, expected, _ = step(case, "eager", compiled=False)
+    fast, loss, report = step(case, "eager", compiled=True)
+    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    common = dict(bias=False, mask=True, dropout=False, causal=True, softcap=True)
+    assert keys == [dict(common, window=True), dict(common, window=False)], keys
+    assert report.counts["attention"] == 2
+    assert all("attention" not in m.pattern for m in report.missed), report
+    torch.testing.assert_close(loss, expected)
+    assert_gradients_match(fast, eager)

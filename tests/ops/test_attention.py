@@ -28,13 +28,16 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0, window=0):  # fmt: skip
+             keep=None, p=0.0, window=0, softcap=0.0):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
-    bias, mask, causal and window. A row whose every score is -inf gives 0, as SDPA defines it."""
+    soft cap, bias, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
+    defines it."""
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] > k.shape[-3] > 1:
         group = q.shape[-3] // k.shape[-3]  # grouped-query heads: query head h reads h // group
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     s = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s)
     if bias is not None:
         s = s + bias
     if mask is not None:
@@ -67,7 +70,8 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
-                    p=0.0, seed=20240917, stream=3, scale=None, window=0):  # fmt: skip
+                    p=0.0, seed=20240917, stream=3, scale=None, window=0,
+                    softcap=0.0):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
     gradients (in the order q, k, v, bias)."""
@@ -75,7 +79,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
-        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window
+        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap
     )
     operands = [t for t in (q, k, v, bias) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
@@ -85,7 +89,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     dq_, dk_, dv_, *rest = doubles
     expected, s = composed(
         dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
-        masked_value=masked_value, keep=keep, p=p, window=window,
+        masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -325,6 +329,24 @@ def test_sliding_window_with_padding_and_a_learned_bias(impl):
     _, (_, _, _, dbias) = run_and_compare(q, k, v, bias, mask, causal=True, window=6)
     far = torch.arange(length)[:, None] - torch.arange(length)[None, :] >= 6
     assert torch.equal(dbias[..., far], torch.zeros_like(dbias[..., far]))
+
+
+# --------------------------------------------------------------------------------------------
+# soft-capped scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_soft_capped_scores_with_a_learned_bias_and_a_mask(impl, causal, dtype):
+    """softcap * tanh(scores), then the bias and the mask: the bias gradient is the capped
+    scores' gradient, q's and k's go through the cap's derivative. A cap of 2 bends every
+    score."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = qkv(g, 2, 2, 21, 19, 16, dtype=dtype)
+    bias = randn(g, 1, 2, 21, 19, dtype=dtype)
+    mask = torch.rand(2, 1, 1, 19, generator=g) > 0.3
+    mask[..., 0] = True
+    run_and_compare(q, k, v, bias, mask, causal=causal, softcap=2.0, window=7 if causal else 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ def test_lower_triangle_is_read_as_causal(apply_causal):
     report = fused(fn, qkv(lq=6, lk=6))
     (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
     assert dict(forward.key) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False
+        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
     )
 
 
@@ -271,7 +271,7 @@ def test_a_causal_mask_from_positions_is_read_as_causal(keep):
 
     report = fused(fn, qkv(lq=10, lk=10))
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False
+        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
     )
 
 
@@ -282,7 +282,7 @@ def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
 
     report = fused(fn, qkv(lq=10, lk=10))
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False
+        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
     )
 
 
@@ -299,7 +299,7 @@ def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding
 
     report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10).view(B, 10)])
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=True, window=False
+        bias=False, mask=True, dropout=False, causal=True, window=False, softcap=False
     )
 
 
@@ -324,8 +324,46 @@ def test_a_sliding_window_from_positions_is_computed_in_the_kernel(keep, causal)
 
     report = fused(fn, qkv(lq=10, lk=10))
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=causal, window=True
+        bias=False, mask=False, dropout=False, causal=causal, window=True, softcap=False
     )
+
+
+@pytest.mark.parametrize(
+    "cap",
+    [
+        lambda s: 50.0 * torch.tanh(s / 50.0),
+        lambda s: torch.tanh(s * 0.5) * 2.0,
+        lambda s: torch.tanh(s),
+    ],
+    ids=["gemma2", "scale_inside", "bare_tanh"],
+)
+def test_soft_capped_scores_are_capped_in_the_kernel(cap):
+    def fn(q, k, v, keep):
+        s = cap(q @ k.transpose(-1, -2) * 0.3)
+        return softmax_v(s.masked_fill(~keep, -math.inf), v)
+
+    report = fused(fn, [*qkv(), padding()])
+    assert forward_kernel_key(report) == dict(
+        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=True
+    )
+
+
+@pytest.mark.parametrize(
+    "before_cap, what",
+    [
+        (lambda s, bias, keep: s + bias, "a bias before a tanh"),
+        (lambda s, bias, keep: s.masked_fill(~keep, -math.inf), "a mask before a tanh"),
+        (lambda s, bias, keep: s + 1.0, "a shift before a tanh"),
+    ],
+    ids=["bias", "mask", "shift"],
+)
+def test_a_tanh_over_more_than_scaled_scores_is_refused(before_cap, what):
+    bias = torch.randn(B, 1, LQ, LK)
+
+    def fn(q, k, v, keep):
+        return softmax_v(20.0 * torch.tanh(before_cap(scores(q, k), bias, keep) / 20.0), v)
+
+    check_fusion(fn, [*qkv(), padding()], counts={"attention": 0}, missed=[what])
 
 
 def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits():
@@ -375,7 +413,7 @@ def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
 
     report = fused(fn, qkv(lq=10, lk=10))
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=False, window=False
+        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=False
     )
 
 
@@ -537,7 +575,7 @@ def scores(q, k):
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
     assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=False, window=False
+        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=False
     )
 
 
