@@ -40,7 +40,7 @@ from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.patterns.attention_masks import CASTS, constant
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
-from seqcompile.patterns.index_masks import Diagonal, narrower, split_diagonal
+from seqcompile.patterns.index_masks import WHERE, Diagonal, narrower, split_diagonal
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -187,24 +187,37 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     return None
 
 
-def _bias_link(bias: Node, sign: float) -> Link:
-    """The link of a bias added to (sign 1) or subtracted from the scores. A bias that is 0 where
-    a mask keeps and at most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks,
-    `where(mask, 0, finfo.min)`) is read as that mask filling its value: in float32 a score plus
-    finfo.min is finfo.min, and either way the key adds nothing to a row that keeps one."""
+def _bias_links(bias: Node, sign: float) -> list[Link]:
+    """The links of a bias added to (sign 1) or subtracted from the scores, latest first. An
+    added bias is split into the terms it sums, and a term that is 0 where a mask keeps and at
+    most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`, or a
+    bias filled by `masked_fill(bias, mask, finfo.min)`) is read as that mask filling its value:
+    in float32 a score plus finfo.min is finfo.min, and either way the key adds nothing to a row
+    that keeps one. The fills come first, as the kernel fills after it adds the biases."""
     node = bias
     while is_call(node, aten.expand.default, aten.alias.default) or (
         is_call(node, aten.slice.Tensor)
         and tensor_val(node).shape == tensor_val(node.args[0]).shape
     ):
         node = node.args[0]
-    if sign > 0 and is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+    if sign < 0:
+        return [("bias", bias, sign)]
+    if is_call(node, aten.add.Tensor) and arg(node, 2, "alpha", 1) == 1:
+        terms = node.args[:2]
+        if all(isinstance(t, Node) and tensor_val(t).is_floating_point() for t in terms):
+            links = [link for t in terms for link in _bias_links(t, sign)]
+            return sorted(links, key=lambda link: link[0] != "mask")
+    if is_call(node, aten.masked_fill.Scalar) and isinstance(node.args[0], Node):
+        fill = constant(node.args[2])
+        if fill is not None and fill <= CAUSAL_FILL:
+            return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign)]
+    if is_call(node, *WHERE):
         cond, kept, filled = node.args[:3]
         for keeps, (zero, value) in ((True, (kept, filled)), (False, (filled, kept))):
             fill = constant(value)
             if constant(zero) == 0.0 and fill is not None and fill <= CAUSAL_FILL:
-                return ("mask", cond, keeps, fill)
-    return ("bias", bias, sign)
+                return [("mask", cond, keeps, fill)]
+    return [("bias", bias, sign)]
 
 
 def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Reject | None:
@@ -227,7 +240,7 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
             found = _walk_scores(above, sub_links := [], sub_nodes := [])
             bias_val = tensor_val(bias)
             if isinstance(found, Node) and bias_val is not None and not bias_val.is_complex():
-                links += [_bias_link(bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
+                links += [*_bias_links(bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
                 nodes += [node, *sub_nodes]
                 return found
             if isinstance(found, Reject) and len(sub_nodes) > depth:

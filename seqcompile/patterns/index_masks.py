@@ -13,6 +13,7 @@ keys (Mistral's `kv_idx > q_idx - w`), which the kernel computes, skipping the b
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +126,9 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
             node = node.args[0]
         elif is_call(node, *_NOT) and _is_bool(node.args[0]):
             node, keeps = node.args[0], not keeps
+        elif _test_of_where(node) is not None:  # where(m, 0, min).to(bool), MPT's mask
+            node, flips = _test_of_where(node)
+            keeps = keeps != flips
         else:
             break
     if is_call(node, *(_AND if keeps else _OR)) and all(_is_bool(a) for a in node.args[:2]):
@@ -223,6 +227,39 @@ def _integer(value: object) -> int | None:
 def _is_bool(node: object) -> bool:
     value = tensor_val(node)
     return value is not None and value.dtype == torch.bool
+
+
+WHERE = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+_SCALAR_TESTS = {
+    aten.lt.Scalar: operator.lt,
+    aten.le.Scalar: operator.le,
+    aten.gt.Scalar: operator.gt,
+    aten.ge.Scalar: operator.ge,
+    aten.eq.Scalar: operator.eq,
+    aten.ne.Scalar: operator.ne,
+}
+
+
+def _test_of_where(node: object) -> tuple[Node, bool] | None:
+    """For a test of `where(cond, a, b)` with constants a and b that tells them apart
+    (`.to(bool)`, as MPT reads Hugging Face's float mask, or `< -1`, as Falcon does): cond, and
+    whether the test is its negation."""
+    if is_call(node, aten.to.dtype, aten._to_copy.default) and _is_bool(node):
+        where, test = node.args[0], (lambda x: x != 0)
+    elif is_call(node, *_SCALAR_TESTS) and _integer(node.args[1]) is not None:
+        bound = _integer(node.args[1])
+        where, test = node.args[0], (lambda x: _SCALAR_TESTS[node.target](x, bound))
+    else:
+        return None
+    while is_call(where, aten.expand.default, aten.alias.default):
+        where = where.args[0]
+    if not is_call(where, *WHERE):
+        return None
+    cond, a, b = where.args[:3]
+    ca, cb = constant(a), constant(b)
+    if ca is None or cb is None or test(ca) == test(cb) or not _is_bool(cond):
+        return None
+    return cond, not test(ca)
 
 
 def _bool_cast(node: object) -> bool:

@@ -225,11 +225,11 @@ CAUSAL_LM = [
                      attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH),
     # beyond the list, in the slow tier. MPT: norm_1 and norm_2 per block, norm_f; its ALiBi
-    # slopes are 2 ** x and its mask is negated again per layer (a region read before it ends)
+    # slopes are 2 ** x and its mask is Hugging Face's float mask tested back to bool
     Case("mpt", hf_model("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=WIDTH,
                     n_layers=LAYERS, n_heads=HEADS, max_seq_len=POSITIONS, pad_token_id=0),
-         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, ("eager",),
-         LOGITS_RETURNED, slow=True),
+         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), 0, ("eager",),
+         LOGITS_RETURNED, slow=True),  # its GELU stands alone between two linears: no region
     # Falcon with ALiBi: one input_layernorm per layer (parallel attention and MLP), ln_f; the
     # scores are scaled in place (`attention_logits *= inv_norm_factor`)
     Case("falcon-alibi", hf_model("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,

@@ -366,6 +366,40 @@ def test_a_tanh_over_more_than_scaled_scores_is_refused(before_cap, what):
     check_fusion(fn, [*qkv(), padding()], counts={"attention": 0}, missed=[what])
 
 
+def alibi(heads=H, length=10):
+    """ALiBi as MPT builds it: per-head slopes times the key positions, (1, H, 1, L)."""
+    slopes = 1.0 / 2 ** torch.arange(1, heads + 1).float()
+    return (torch.arange(1 - length, 1).view(1, 1, 1, -1) * slopes.view(1, -1, 1, 1)).float()
+
+
+def float_causal(length=10, batch=B):
+    """Hugging Face's eager mask: 0 where a query may attend (causal), finfo.min elsewhere."""
+    q_idx, kv_idx = positions(length)
+    return torch.where(kv_idx <= q_idx, 0.0, MIN).expand(batch, 1, length, length)
+
+
+@pytest.mark.parametrize(
+    "add_bias",
+    [
+        lambda s, keep: s + (alibi() + torch.where(keep, 0.0, MIN) + float_causal()),
+        lambda s, keep: s + alibi().masked_fill(float_causal() < -1, MIN),  # Falcon
+        lambda s, keep: (s + alibi()).masked_fill(float_causal().bool(), MIN),  # MPT
+    ],
+    ids=["sum_of_terms", "filled_bias", "float_mask_as_bool"],
+)
+def test_a_bias_summing_masks_and_alibi_reads_each_at_its_own_size(add_bias):
+    """The causal part goes to the kernel, the padding is read as (B, 1, 1, L) and ALiBi as
+    (1, H, 1, L): nothing of the scores' size."""
+
+    def fn(q, k, v, keep):
+        return softmax_v(add_bias(scores(q, k), keep), v)
+
+    report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10)])
+    (line,) = report.sites
+    assert line.split(": ", 2)[2].startswith("causal, "), line
+    assert "(1, 2, 1, 10)" in line and ", 10, 10)" not in line, line
+
+
 def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits():
     """40 positions in 16x16 tiles (CPU), causal with a window of 5: the first query block
     visits 1 key block, the others 2 each, of 9."""
