@@ -101,19 +101,26 @@ def kept_for_backward(model, *batch):
 def saved_bytes(step, lasting):
     """Bytes of the distinct storages autograd saves while `step()` computes a loss and its
     backward runs, leaving out the storages of the tensors in `lasting`."""
+    saved = saved_tensors(step, lasting)
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
+def saved_tensors(step, lasting) -> dict[StorageWeakRef, torch.Tensor]:
+    """A tensor per distinct storage autograd saves while `step()` computes a loss and its
+    backward runs, leaving out the storages of the tensors in `lasting`."""
     lasting = {StorageWeakRef(t.untyped_storage()) for t in lasting}
     saved = {}
 
     def pack(t):
         ref = StorageWeakRef(t.untyped_storage())
         if ref not in lasting:
-            saved[ref] = t.untyped_storage().nbytes()
+            saved[ref] = t
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()
     loss.backward()
-    return sum(saved.values())
+    return saved
 
 
 TINY_GPT = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)

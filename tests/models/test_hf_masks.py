@@ -6,6 +6,7 @@ alternates windowed and global layers."""
 
 import pytest
 import torch
+from checks import saved_tensors
 
 from models.real_models import GQA, Case, causal_lm_batch, hf_model, own_loss, sites
 from models.test_real_models import assert_gradients_match, step
@@ -40,6 +41,20 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     ), keys
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
+    assert not score_sized_saves(case, implementation)
+
+
+def score_sized_saves(case: Case, implementation: str) -> list[torch.Size]:
+    """Shapes of what a compiled training step keeps for its backward that are as large as the
+    scores' last two dims (a mask or bias built at that size)."""
+    torch.manual_seed(0)
+    model = case.build(implementation).train()
+    compiled, batch = torch.compile(model, backend="seqfast"), case.batch()
+    tensors = [t for t in batch.values() if isinstance(t, torch.Tensor)]
+    lasting = [*model.parameters(), *model.buffers(), *tensors]
+    saved = saved_tensors(lambda: case.loss(compiled(**batch)), lasting)
+    length = batch["input_ids"].shape[-1]
+    return [t.shape for t in saved.values() if t.dim() >= 2 and t.shape[-2:] == (length, length)]
 
 
 def test_the_window_changes_the_answer():
@@ -69,3 +84,4 @@ def test_gemma2_caps_its_scores_and_windows_every_other_layer():
     assert all("attention" not in m.pattern for m in report.missed), report
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
+    assert not score_sized_saves(case, "eager")
