@@ -163,3 +163,9 @@ class AccumulatingCalls(TorchDispatchMode):
         if func.namespace == "seqfast" and func.__name__.startswith("accumulate"):
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def kernel_flags(**on: bool) -> dict[str, bool]:
+    """The attention kernels' flags (their key), those named set."""
+    flags = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents")
+    return {flag: on.get(flag, False) for flag in flags}

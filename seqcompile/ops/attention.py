@@ -3,7 +3,8 @@ schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
     scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
-    out = dropout(softmax(where(mask, scores + bias, masked_value), causal, window), p) @ v
+    keep = mask & (doc_q == doc_kv), each where given
+    out = dropout(softmax(where(keep, scores + bias, masked_value), causal, window), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
@@ -12,7 +13,9 @@ h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 
 where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero
 strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. `causal` and `window`
 (query i sees keys j <= i, and i - j < window when window > 0) are computed from the positions,
-never read, and the kernels skip the key blocks they hide. q @ k^T runs in q's
+never read, and the kernels skip the key blocks they hide. `doc_q` (..., Lq, 1) and `doc_kv`
+(..., 1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel,
+which skips the blocks where no query shares a document with a key. q @ k^T runs in q's
 dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
 v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
 probabilities, and regenerates the dropout mask from the seed."""
@@ -63,6 +66,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
         causal=call["causal"],
         window=call["window"] > 0,
         softcap=call["softcap"] != 0,
+        documents=call["doc_q"] is not None,
     )
 
 
@@ -125,6 +129,11 @@ def describe(call: Call) -> str | None:
     for name in ("mask", "bias"):
         if call[name] is not None:
             kinds.append(f"reads a {name} {tuple(concrete(n) for n in call.value(name).shape)}")
+    if call["doc_q"] is not None:
+        kinds.append(
+            "compares document ids (skipping blocks where no query shares a key's document,"
+            " which depends on the ids)"
+        )
     if not kinds:
         return None
     tiles = _blocks(q)
@@ -174,19 +183,23 @@ def attention(
     masked_value: float,
     window: int = 0,
     softcap: float = 0.0,
+    doc_q: Tensor | None = None,
+    doc_kv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    layout = _checked_layout(q, k, v, bias, mask, seed, p, window)
+    layout = _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q, doc_kv)
     masked_value = _finite(masked_value)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
         seed, stream, p, scale, causal, masked_value, window, softcap,
+        _documents4(layout, doc_q, doc_kv),
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
-def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0):
+def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+      doc_q=None, doc_kv=None):  # fmt: skip
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -206,7 +219,12 @@ def _operands4(layout: Layout, q, k, v, bias, mask) -> list[Tensor | None]:
     ]
 
 
-def _checked_layout(q, k, v, bias, mask, seed, p, window) -> Layout:
+def _documents4(layout: Layout, doc_q, doc_kv) -> tuple[Tensor, Tensor] | None:
+    """The document ids as 4-D views broadcast to the scores (None without them)."""
+    return None if doc_q is None else (layout.to4(doc_q), layout.to4(doc_kv))
+
+
+def _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None) -> Layout:
     """The operands' layout; errors a caller can act on, raised before any kernel runs."""
     layout = Layout.of(q, k, v)
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -226,6 +244,17 @@ def _checked_layout(q, k, v, bias, mask, seed, p, window) -> Layout:
         raise ValueError("seqfast::attention: dropout p > 0 needs a seed tensor")
     if window < 0:
         raise ValueError(f"seqfast::attention: window must be >= 0 (0: none), got {window}")
+    if (doc_q is None) != (doc_kv is None):
+        raise ValueError("seqfast::attention: doc_q and doc_kv go together")
+    if doc_q is not None:
+        q_ok = doc_q.dim() >= 2 and doc_q.shape[-1] == 1 and broadcasts_to(doc_q.shape, scores)
+        kv_ok = doc_kv.dim() >= 2 and doc_kv.shape[-2] == 1 and broadcasts_to(doc_kv.shape, scores)
+        if not (q_ok and kv_ok):
+            raise ValueError(
+                f"seqfast::attention: document ids of shapes {tuple(doc_q.shape)} and"
+                f" {tuple(doc_kv.shape)} must broadcast to the scores {scores} as (..., Lq, 1)"
+                " and (..., 1, Lk)"
+            )
     return layout
 
 
@@ -269,12 +298,19 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap) -> tuple[list, list]:
+def _common_args(
+    q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
-    pointers = [t for t in (bias, mask) if t is not None]
+    docs = documents or ()
+    pointers = [t for t in (bias, mask, *docs) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
-    strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
+    strides += _strides4(mask, shape)
+    if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
+        strides += [*_strides4(docs[0], shape)[:3], *_strides4(docs[1], shape)[:2]]
+        strides.append(_strides4(docs[1], shape)[3])
+    strides += [masked_value] if mask is not None or documents is not None else []
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
 
@@ -288,7 +324,8 @@ def _finite(value: float) -> float:
 
 
 def forward_kernels(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+    documents=None,
 ):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
@@ -299,9 +336,12 @@ def forward_kernels(
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
+    doc_q = None if documents is None else documents[0]
     flags = dict(bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap)
-    (spec,) = forward_kernels_of(flags)
-    pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap)
+    (spec,) = forward_kernels_of(dict(flags, doc_q=doc_q))
+    pointers, scalars = _common_args(
+        q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+    )
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
     kernel_function(spec)[grid](
@@ -336,6 +376,8 @@ def attention_backward(
     bias_grad: bool,
     window: int = 0,
     softcap: float = 0.0,
+    doc_q: Tensor | None = None,
+    doc_kv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
     `bias_grad`."""
@@ -346,7 +388,7 @@ def attention_backward(
     dq, dk, dv, dbias = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        softcap,
+        softcap, _documents4(layout, doc_q, doc_kv),
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (*grads, layout.from4(dbias, bias) if bias_grad else dbias)
@@ -354,14 +396,14 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad, window=0, softcap=0.0):  # fmt: skip
+      masked_value, bias_grad, window=0, softcap=0.0, doc_q=None, doc_kv=None):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0,
+    masked_value, bias_grad, window=0, softcap=0.0, documents=None,
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
@@ -374,7 +416,8 @@ def backward_kernels(
     shape = _scores_shape(q, k)
     dbias_full = None
     if bias_grad:
-        make = torch.zeros if causal or window > 0 else runtime.empty  # skipped blocks stay 0
+        skips = causal or window > 0 or documents is not None
+        make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or lk == 0:
         for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
@@ -390,10 +433,12 @@ def backward_kernels(
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
             dict(
                 bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap,
-                bias_grad=bias_grad,
+                doc_q=None if documents is None else documents[0], bias_grad=bias_grad,
             )
         )  # fmt: skip
-        pointers, scalars = _common_args(q, k, v, bias, mask, masked_value, scale, window, softcap)
+        pointers, scalars = _common_args(
+            q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+        )
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
         constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
@@ -417,25 +462,26 @@ def backward_kernels(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs[:13]
+    doc_q, doc_kv = inputs[13:]
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed)
+    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv)
     ctx.config = (stream, p, scale, causal, masked_value)
     ctx.window_softcap = (window, softcap)
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 13
-    q, k, v, out, row_max, log_sum, bias, mask, seed = ctx.saved_tensors
+        return (None,) * 15
+    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
         grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad,
-        *ctx.window_softcap,
+        *ctx.window_softcap, doc_q, doc_kv,
     )  # fmt: skip
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 9
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 11
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

@@ -2,7 +2,8 @@
 for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
-the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
+the kernels follow (keys of another document than the query's, with `documents`, are masked as the
+boolean mask masks): scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
 `softcap` is not 0, plus `bias`; positions the boolean `mask` rejects take
 `masked_value`, positions above the diagonal (causal) and keys `window` or more positions before
 the query (a sliding window, when `window` > 0) take -inf, then softmax and dropout. A row
@@ -54,6 +55,7 @@ def scores(
     masked_value: float,
     window: int = 0,
     softcap: float = 0.0,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """float32 scores after soft cap, bias, mask, causal and window, where each query may
     attend, and the soft cap's derivative (None without one)."""
@@ -66,6 +68,10 @@ def scores(
     if bias is not None:
         s = s + bias.float()
     attend = torch.ones((), dtype=torch.bool, device=q.device).expand(s.shape)
+    if documents is not None:
+        mask = (
+            documents[0] == documents[1] if mask is None else mask & (documents[0] == documents[1])
+        )
     if mask is not None:
         s = s.masked_fill(~mask, masked_value)
         attend = attend & mask
@@ -103,9 +109,10 @@ def dropout_scale(
 
 
 def forward(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+    documents=None,
 ):  # fmt: skip
-    s, _, _ = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap)
+    s, _, _ = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap, documents)
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -128,9 +135,11 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0,
+    masked_value, bias_grad, window=0, softcap=0.0, documents=None,
 ):  # fmt: skip
-    s, attend, slope = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap)
+    s, attend, slope = scores(
+        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents
+    )
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     dropped = prob if drop is None else prob * drop

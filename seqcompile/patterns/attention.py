@@ -40,7 +40,13 @@ from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.patterns.attention_masks import CASTS, constant
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
-from seqcompile.patterns.index_masks import WHERE, Diagonal, narrower, split_diagonal
+from seqcompile.patterns.index_masks import (
+    WHERE,
+    Diagonal,
+    document_ids,
+    narrower,
+    split_diagonal,
+)
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -70,6 +76,8 @@ class Site:
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
     softcap: float = 0.0
     """The scores are `softcap * tanh(q @ k^T * scale)` (0: plain `q @ k^T * scale`)."""
+    documents: tuple[Node, Node] | None = None
+    """Query and key document ids whose equality the kernel tests (a packed batch's mask)."""
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
@@ -439,7 +447,8 @@ def _check(site: Site) -> Reject | None:
     except ValueError as refused:
         return Reject("{}", refused)
     scores = layout.scores_shape(q, k)
-    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep]:
+    documents = list(site.documents or ())
+    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep] + documents:
         shape = tensor_val(node).shape
         frame = site.frames.get(node)
         where = scores if frame is None else (*tensor_val(frame).shape[:-2], *scores[-2:])
@@ -504,6 +513,16 @@ def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
     return total
 
 
+def _take_documents(site: Site) -> None:
+    """A mask factor comparing query with key document ids goes to the kernel as the ids."""
+    for factor, keeps in site.keep:
+        ids = document_ids(factor, keeps) if factor not in site.frames else None
+        if ids is not None:
+            site.documents = ids
+            site.keep.remove((factor, keeps))
+            return
+
+
 def _rewrite(site: Site, name: str) -> Rewrite:
     def apply(ctx: FuseContext) -> Node:
         graph = ctx.gm.graph
@@ -532,6 +551,8 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 masked_value=masked_value,
                 window=site.window,
                 softcap=site.softcap,
+                doc_q=site.documents[0] if site.documents else None,
+                doc_kv=site.documents[1] if site.documents else None,
             )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
@@ -556,4 +577,5 @@ class AttentionPattern:
             site = _read_written_out(node)
         if site is None or isinstance(site, Reject):
             return site
+        _take_documents(site)
         return _check(site) or _rewrite(site, site_name(site.out))

@@ -116,6 +116,29 @@ def split_diagonal(
     return diagonal, rest
 
 
+def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:
+    """(query ids, key ids) where `factor` keeps the scores whose query and key ids are equal:
+    `eq(a, b)` (or `ne` where True masks) of integer ids, one operand constant along the keys,
+    (..., Lq, 1), the other along the queries, (..., 1, Lk): packed sequences' document mask,
+    `doc[:, None, :, None] == doc[:, None, None, :]`, or `doc[b_idx, q_idx] == doc[b_idx,
+    kv_idx]` as Hugging Face writes it."""
+    if not is_call(factor, aten.eq.Tensor if keeps else aten.ne.Tensor):
+        return None
+    for x, y in (factor.args[:2], factor.args[1::-1]):
+        vx, vy = tensor_val(x), tensor_val(y)
+        if (
+            vx is not None
+            and vy is not None
+            and min(vx.dim(), vy.dim()) >= 2
+            and not vx.is_floating_point()
+            and not vy.is_floating_point()
+            and statically_known_true(vx.shape[-1] == 1)
+            and statically_known_true(vy.shape[-2] == 1)
+        ):
+            return x, y
+    return None
+
+
 def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
     """The masks whose conjunction is `mask` (with whether True keeps, for each): `&` splits a
     mask where True keeps, `|` one where True masks, a negation flips; a constant that keeps

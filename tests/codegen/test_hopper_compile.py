@@ -19,8 +19,8 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from seqcompile.codegen import kernel_function
 
-    INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream"}
-    FLOATS = {"eps", "p", "scale", "masked_value"}
+    INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream", "window"}
+    FLOATS = {"eps", "p", "scale", "masked_value", "softcap"}
     FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS"}
     CONSTEXPRS = {"HEAD_DIM", "DOT_PRECISION"}
 
@@ -33,7 +33,7 @@ COMPILE = textwrap.dedent(
                 sig[name] = "i32"
             elif name in FLOATS:
                 sig[name] = "fp32"
-            elif name == "SEED":
+            elif name in ("SEED", "DOC_Q", "DOC_KV"):
                 sig[name] = "*i64"
             elif name == "MASK":
                 sig[name] = "*i1"
@@ -78,11 +78,15 @@ ATTENTION = textwrap.dedent(
         return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
                     DOT_PRECISION=precision)
 
+    def kernel_flags(**on):
+        names = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents")
+        return {name: on.get(name, False) for name in names}
+
     variants = [
-        dict(bias=False, mask=False, dropout=False, causal=False, window=False, softcap=True),
-        dict(bias=True, mask=True, dropout=True, causal=True, window=True, softcap=False),
-        dict(bias=True, mask=False, dropout=True, causal=False, window=False, softcap=True),
-        dict(bias=False, mask=True, dropout=False, causal=True, window=True, softcap=False),
+        kernel_flags(softcap=True),
+        kernel_flags(bias=True, mask=True, dropout=True, causal=True, window=True),
+        kernel_flags(bias=True, dropout=True, softcap=True, documents=True),
+        kernel_flags(mask=True, causal=True, window=True, documents=True),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
     for flags, (data, head_dim, precision) in zip(variants, cases + cases[:1]):
@@ -93,9 +97,9 @@ ATTENTION = textwrap.dedent(
     # contiguous head dims, one key/value head per query head and the first dropout stream arrive
     # as the constant 1
     ones = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=1, stream=1)
-    flags = dict(bias=True, mask=True, dropout=True, causal=False, window=False, softcap=False)
-    compile(attention.forward_spec(**flags), "*bf16", {**tiles(128, "tf32"), **ones})
-    for spec in attention.backward_specs(bias_grad=True, **flags)[1:]:
+    every = kernel_flags(bias=True, mask=True, dropout=True)
+    compile(attention.forward_spec(**every), "*bf16", {**tiles(128, "tf32"), **ones})
+    for spec in attention.backward_specs(bias_grad=True, **every)[1:]:
         compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
     """
 )

@@ -6,7 +6,7 @@ alternates windowed and global layers."""
 
 import pytest
 import torch
-from checks import saved_tensors
+from checks import kernel_flags, saved_tensors
 
 from models.real_models import GQA, Case, causal_lm_batch, hf_model, own_loss, sites
 from models.test_real_models import assert_gradients_match, step
@@ -35,9 +35,7 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     fast, loss, report = step(case, implementation, compiled=True)
     keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert keys and all(
-        key
-        == dict(bias=False, mask=True, dropout=False, causal=True, window=windowed, softcap=False)
-        for key in keys
+        key == kernel_flags(mask=True, causal=True, window=windowed) for key in keys
     ), keys
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
@@ -78,10 +76,29 @@ def test_gemma2_caps_its_scores_and_windows_every_other_layer():
     eager, expected, _ = step(case, "eager", compiled=False)
     fast, loss, report = step(case, "eager", compiled=True)
     keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
-    common = dict(bias=False, mask=True, dropout=False, causal=True, softcap=True)
-    assert keys == [dict(common, window=True), dict(common, window=False)], keys
+    common = dict(mask=True, causal=True, softcap=True)
+    assert keys == [kernel_flags(**common, window=True), kernel_flags(**common)], keys
     assert report.counts["attention"] == 2
     assert all("attention" not in m.pattern for m in report.missed), report
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
     assert not score_sized_saves(case, "eager")
+
+
+def test_a_packed_batch_compares_document_ids_in_the_kernel():
+    """Three documents packed in one row (position ids restart), one in the other: Hugging Face
+    derives document ids from the position ids, and the kernel compares them."""
+    build, _ = MODELS["llama"]
+    ids = causal_lm_batch()["input_ids"]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2], list(range(10))])
+
+    def packed():
+        return dict(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+
+    case = Case("llama-packed", build, packed, own_loss, sites(2, 5, 1), 2, ("sdpa",))
+    eager, expected, _ = step(case, "sdpa", compiled=False)
+    fast, loss, report = step(case, "sdpa", compiled=True)
+    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    assert keys and all(key["documents"] for key in keys), keys
+    torch.testing.assert_close(loss, expected)
+    assert_gradients_match(fast, eager)

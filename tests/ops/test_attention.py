@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCES
 
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
+from seqcompile.codegen.launches import counting_launches
 from seqcompile.ops.random import keep_mask
 
 attention = torch.ops.seqfast.attention
@@ -71,7 +72,7 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
                     p=0.0, seed=20240917, stream=3, scale=None, window=0,
-                    softcap=0.0):  # fmt: skip
+                    softcap=0.0, docs=None):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
     gradients (in the order q, k, v, bias)."""
@@ -79,14 +80,18 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
-        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap
-    )
+        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap,
+        *(docs or (None, None)),
+    )  # fmt: skip
     operands = [t for t in (q, k, v, bias) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     keep = None
     if p > 0:
         keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
     dq_, dk_, dv_, *rest = doubles
+    if docs is not None:  # a key of another document is masked as the mask masks
+        same = docs[0] == docs[1]
+        mask = same if mask is None else mask & same
     expected, s = composed(
         dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
         masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
@@ -329,6 +334,72 @@ def test_sliding_window_with_padding_and_a_learned_bias(impl):
     _, (_, _, _, dbias) = run_and_compare(q, k, v, bias, mask, causal=True, window=6)
     far = torch.arange(length)[:, None] - torch.arange(length)[None, :] >= 6
     assert torch.equal(dbias[..., far], torch.zeros_like(dbias[..., far]))
+
+
+# --------------------------------------------------------------------------------------------
+# packed sequences: document ids
+
+
+def packed(lengths_per_row, length):
+    """(B, 1, L, 1) and (B, 1, 1, L) document ids of packed rows, documents of the given
+    lengths one after another (the rest of a row is one more document)."""
+    ids = torch.zeros(len(lengths_per_row), length, dtype=torch.int64)
+    for row, lengths in enumerate(lengths_per_row):
+        start = 0
+        for doc, n in enumerate(lengths):
+            ids[row, start : start + n] = doc
+            start += n
+        ids[row, start:] = len(lengths)
+    return ids[:, None, :, None], ids[:, None, None, :]
+
+
+@pytest.mark.parametrize(
+    "causal, window, shuffled", [(True, 0, False), (False, 0, False), (True, 9, False),
+                                 (False, 0, True)],
+)  # fmt: skip
+def test_packed_documents(impl, causal, window, shuffled):
+    """Three documents in one row, two in the other, at lengths that do not divide the blocks;
+    a query sees keys of its own document only. Shuffled ids (not one run per document) are
+    still compared exactly."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = qkv(g, 2, 2, 45, 45, 16)
+    doc_q, doc_kv = packed([(10, 17), (30,)], 45)
+    if shuffled:
+        order = torch.randperm(45, generator=g)
+        doc_q, doc_kv = doc_q[:, :, order], doc_kv[..., order]
+    run_and_compare(q, k, v, causal=causal, window=window, docs=(doc_q, doc_kv))
+
+
+@pytest.mark.interpreter
+def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
+    """Two documents of one 16-row block each (the interpreter's tiles): NaN in the second's
+    queries and values reaches nothing of the first's, which only a skipped block explains (a
+    visited block would multiply a zero probability by NaN)."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (t.detach() for t in qkv(g, 1, 2, 32, 32, 16))
+    q[..., 16:, :] = v[..., 16:, :] = math.nan
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    doc_q, doc_kv = packed([(16,)], 32)
+    with counting_launches() as launches:
+        out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, 0, 0.0,
+                              doc_q, doc_kv)  # fmt: skip
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ran = ["attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"]
+    assert all(launches.of(name) for name in ran), f"kernels {ran} were never launched"
+    for t in (out, dq, dk, dv):
+        assert t[..., :16, :].isfinite().all()
+
+
+def test_packed_documents_with_a_padding_mask_and_a_learned_bias(impl):
+    g = torch.Generator().manual_seed(13)
+    q, k, v = qkv(g, 2, 2, 37, 37, 16)
+    bias = randn(g, 1, 2, 37, 37)
+    mask = torch.rand(2, 1, 1, 37, generator=g) > 0.2
+    mask[..., 0] = mask[..., 20] = True
+    doc_q, doc_kv = packed([(20,), (20,)], 37)
+    _, (_, _, _, dbias) = run_and_compare(q, k, v, bias, mask, causal=True, docs=(doc_q, doc_kv))
+    other = (doc_q != doc_kv).expand(2, 1, 37, 37).any(0)[0]
+    assert torch.equal(dbias[..., other], torch.zeros_like(dbias[..., other]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import check_fusion
+from checks import check_fusion, kernel_flags
 
 from seqcompile.ops.attention import key_blocks
 from seqcompile.ops.attention_reference import diagonal_keep
@@ -221,9 +221,7 @@ def test_lower_triangle_is_read_as_causal(apply_causal):
 
     report = fused(fn, qkv(lq=6, lk=6))
     (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
-    assert dict(forward.key) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
-    )
+    assert dict(forward.key) == kernel_flags(causal=True)
 
 
 def test_causal_with_a_padding_mask():
@@ -270,9 +268,7 @@ def test_a_causal_mask_from_positions_is_read_as_causal(keep):
         return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(causal=True)
 
 
 def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
@@ -281,9 +277,7 @@ def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
         return softmax_v(scores(q, k).masked_fill(kv_idx > q_idx, -math.inf), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=True, window=False, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(causal=True)
 
 
 def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding():
@@ -298,9 +292,7 @@ def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10).view(B, 10)])
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=True, window=False, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(mask=True, causal=True)
 
 
 @pytest.mark.parametrize(
@@ -323,9 +315,7 @@ def test_a_sliding_window_from_positions_is_computed_in_the_kernel(keep, causal)
         return softmax_v(scores(q, k).masked_fill(~keep(q_idx, kv_idx), -math.inf), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=False, dropout=False, causal=causal, window=True, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(causal=causal, window=True)
 
 
 @pytest.mark.parametrize(
@@ -343,9 +333,7 @@ def test_soft_capped_scores_are_capped_in_the_kernel(cap):
         return softmax_v(s.masked_fill(~keep, -math.inf), v)
 
     report = fused(fn, [*qkv(), padding()])
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=True
-    )
+    assert forward_kernel_key(report) == kernel_flags(mask=True, softcap=True)
 
 
 @pytest.mark.parametrize(
@@ -400,6 +388,46 @@ def test_a_bias_summing_masks_and_alibi_reads_each_at_its_own_size(add_bias):
     assert "(1, 2, 1, 10)" in line and ", 10, 10)" not in line, line
 
 
+def three_documents():
+    """Document ids of a packed batch of 2 rows of 20 tokens: three documents, then two."""
+    return torch.tensor([[0] * 6 + [1] * 9 + [2] * 5, [0] * 13 + [1] * 7])
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda doc, q_idx, kv_idx, b_idx: doc[:, None, :, None] == doc[:, None, None, :],
+        lambda doc, q_idx, kv_idx, b_idx: doc[b_idx, q_idx] == doc[b_idx, kv_idx],
+        lambda doc, q_idx, kv_idx, b_idx: ~(doc[b_idx, kv_idx] != doc[b_idx, q_idx]),
+    ],
+    ids=["views", "gathers", "not_different"],
+)
+def test_packed_documents_are_compared_in_the_kernel(keep):
+    """With causal, as a packed batch is trained: the kernel gets the ids, reads no mask, and
+    skips the blocks where no query shares a key's document."""
+
+    def fn(q, k, v, doc):
+        q_idx, kv_idx = positions(q.shape[-2])
+        b_idx = torch.arange(q.shape[0])[:, None, None, None]
+        mask = (kv_idx <= q_idx) & keep(doc, q_idx, kv_idx, b_idx)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    report = fused(fn, [*qkv(lq=20, lk=20), three_documents()])
+    assert forward_kernel_key(report) == kernel_flags(causal=True, documents=True)
+
+
+def test_a_comparison_of_ids_along_one_axis_is_read_as_a_mask():
+    """Ids that vary along the keys on both sides are no query-to-key document test."""
+
+    def fn(q, k, v, doc):
+        return softmax_v(scores(q, k).masked_fill(doc[:, None, None, :] != 0, -math.inf), v)
+
+    doc = torch.zeros(B, LK, dtype=torch.int64)
+    doc[:, -2:] = 1
+    report = fused(fn, [*qkv(), doc])
+    assert forward_kernel_key(report) == kernel_flags(mask=True)
+
+
 def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits():
     """40 positions in 16x16 tiles (CPU), causal with a window of 5: the first query block
     visits 1 key block, the others 2 each, of 9."""
@@ -446,9 +474,7 @@ def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
         return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(mask=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,9 +634,7 @@ def scores(q, k):
 )
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
-    assert forward_kernel_key(report) == dict(
-        bias=False, mask=True, dropout=False, causal=False, window=False, softcap=False
-    )
+    assert forward_kernel_key(report) == kernel_flags(mask=True)
 
 
 def test_a_finite_fill_before_a_bias_stays_unfused():
