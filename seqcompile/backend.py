@@ -8,7 +8,6 @@ the partitioner and `lower` as the forward, backward and inference compiler.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -221,7 +220,7 @@ def lower(
         run = _executable(gm, example_inputs, state, kind)
 
         def forward(args: list[Any]) -> Any:
-            state.gradients_to_autograd = forward_choice([args[i] for i in plan.positions])
+            state.gradients_to_autograd = forward_choice([args[i] for i in plan.inputs])
             return run(args)
 
         forward._boxed_call = True  # type: ignore[attr-defined]
@@ -230,37 +229,13 @@ def lower(
     return GradientDestination(
         state.name,
         accumulating=_executable(gm, example_inputs, state, kind),
-        returning=_later(plan.returning, example_inputs[:received], state, "backward_returning"),
+        # made now, inside AOTAutograd's compile contexts, as Inductor needs
+        returning=_executable(
+            plan.returning, example_inputs[:received], state, "backward_returning"
+        ),
         arguments=plan.arguments,
         from_forward=lambda: state.gradients_to_autograd,
     )
-
-
-def _later(
-    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
-) -> Callable[[list[Any]], Any]:
-    """`_executable(gm, ...)`, made on its first call (many runs never make it), in the contexts
-    it would have been made in now, as AOTAutograd makes a backward lazily."""
-    contexts = (
-        torch._guards.TracingContext.try_get(),
-        torch._guards.CompileContext.try_get(),
-        torch._C._is_any_autocast_enabled(),
-    )
-    made: list[Callable[[list[Any]], Any]] = []
-
-    def run(args: list[Any]) -> Any:
-        if not made:
-            tracing, compiling, autocast = contexts
-            with (
-                torch._guards.tracing(tracing),
-                torch._guards.compile_context(compiling),
-                contextlib.nullcontext() if autocast else torch._C._DisableAutocast(),
-            ):
-                made.append(_executable(gm, example_inputs, state, kind))
-        return made[0](args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 def _executable(

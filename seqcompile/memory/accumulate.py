@@ -38,7 +38,10 @@ class Accumulation:
     """Which forward inputs accumulate into their `.grad`, and the two backwards."""
 
     positions: tuple[int, ...]
-    """The forward inputs (parameters) whose gradients are added into `.grad`."""
+    """The inputs of the graph Dynamo captured (parameters) whose gradients are added into
+    `.grad`."""
+    inputs: tuple[int, ...]
+    """Where the forward graph receives them (after AOTAutograd's effect tokens)."""
     arguments: tuple[int, ...]
     """Where the backward receives each of those parameters, saved by the forward."""
     returning: GraphModule
@@ -56,7 +59,10 @@ def accumulate_into_grads(
     into new trailing placeholders, one per parameter, and returned as None."""
     outputs = graph_outputs(backward)
     taken = [p for p in positions if isinstance(outputs[p], Node)]
-    arguments = save_for_backward(forward, backward, num_fwd_outputs, taken)
+    # the forward's inputs start with AOTAutograd's effect tokens, which have no gradient
+    tokens = len(list(forward.graph.find_nodes(op="placeholder"))) - len(outputs)
+    inputs = tuple(p + tokens for p in taken)
+    arguments = save_for_backward(forward, backward, num_fwd_outputs, list(inputs))
     returning = copy.deepcopy(backward)
     graph = backward.graph
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
@@ -74,41 +80,41 @@ def accumulate_into_grads(
     output.args = (tuple(outputs),)
     graph.eliminate_dead_code()
     backward.recompile()
-    return Accumulation(tuple(taken), arguments, returning, tuple(dict.fromkeys(hooked)))
+    return Accumulation(tuple(taken), inputs, arguments, returning, tuple(dict.fromkeys(hooked)))
 
 
 def save_for_backward(
-    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, positions: list[int]
+    forward: GraphModule, backward: GraphModule, num_fwd_outputs: int, inputs: list[int]
 ) -> tuple[int, ...]:
-    """Where the backward receives each forward input at `positions`, adding it to what the
-    forward saves where it is not saved yet. AOTAutograd's layout: the forward returns its outputs,
-    then the saved tensors, then saved sizes; the backward takes the saved sizes, then the saved
-    tensors (in the same order), then the output gradients."""
-    inputs = list(forward.graph.find_nodes(op="placeholder"))
+    """Where the backward receives each forward input (placeholder) at `inputs`, adding it to
+    what the forward saves where it is not saved yet. AOTAutograd's layout: the forward returns
+    its outputs, then the saved tensors, then saved opaque objects and sizes; the backward takes
+    the saved sizes, then the saved tensors (in the same order), then the rest. A parameter goes
+    first among the saved tensors, where AOTAutograd checks version counters."""
+    placeholders = list(forward.graph.find_nodes(op="placeholder"))
     forward_output = next(iter(forward.graph.find_nodes(op="output")))
     returned = list(forward_output.args[0])
-    saved = returned[num_fwd_outputs:]
-    saved_tensors = sum(isinstance(val(n), torch.Tensor) for n in saved)
-    saved_sizes = len(saved) - saved_tensors
+    sizes = sum(
+        isinstance(val(n), int | float | torch.SymInt | torch.SymFloat)
+        for n in returned[num_fwd_outputs:]
+    )
     received = list(backward.graph.find_nodes(op="placeholder"))
-    by_name = {node.name: i for i, node in enumerate(received)}
-    after_saved = received[saved_sizes + saved_tensors]  # the first output gradient
-    arguments = []
-    for position in positions:
-        parameter = inputs[position]
-        if parameter.name not in by_name:
-            returned.insert(num_fwd_outputs + saved_tensors, parameter)
-            with backward.graph.inserting_before(after_saved):
+    first_tensor = received[sizes]  # a saved tensor, or what follows them
+    added = 0
+    for position in inputs:
+        parameter = placeholders[position]
+        if parameter.name not in {node.name for node in received}:
+            returned.insert(num_fwd_outputs + added, parameter)
+            with backward.graph.inserting_before(first_tensor):
                 placeholder = backward.graph.placeholder(parameter.name)
             placeholder.meta["val"] = val(parameter)
-            saved_tensors += 1
+            added += 1
             received = list(backward.graph.find_nodes(op="placeholder"))
-            by_name = {node.name: i for i, node in enumerate(received)}
-        arguments.append(by_name[parameter.name])
     forward_output.args = (tuple(returned),)
     forward.recompile()
     backward.recompile()
-    return tuple(arguments)
+    where = {node.name: i for i, node in enumerate(received)}
+    return tuple(where[placeholders[position].name] for position in inputs)
 
 
 def _accumulate(graph: Any, buffer: Node, gradient: Node) -> list[str]:

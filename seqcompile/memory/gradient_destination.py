@@ -65,11 +65,22 @@ def _fully_sharded(parameters: list[Tensor]) -> bool:
     unsharded = set()
     for entry in list(_module_state_mapping.values()):
         state = entry() if isinstance(entry, weakref.ref) else entry
-        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            if hasattr(fsdp_param, "_unsharded_param"):
-                unsharded.add(id(fsdp_param._unsharded_param))
+        if isinstance(state, FSDPState):
+            for group in _param_groups(state):
+                for fsdp_param in group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        unsharded.add(id(fsdp_param._unsharded_param))
     return all(id(p) in unsharded for p in parameters)
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups (one, or several where parameters are sharded on
+    several meshes, in torch versions that have them)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def owners(received: list[Tensor]) -> list[Tensor] | str:

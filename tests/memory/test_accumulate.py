@@ -275,3 +275,29 @@ def test_under_torch_distributed_without_a_known_wrapper_gradients_go_to_autogra
     assert "gradients go to autograd for this backward: torch.distributed is initialized" in (
         caplog.text
     )
+
+
+class Inverse(torch.nn.Module):
+    """`linalg.inv` checks its input through an effectful op: AOTAutograd threads an effect token
+    into the forward's inputs ahead of the parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(3, 3))
+        self.b = torch.nn.Parameter(torch.eye(3) * 2 + 0.1 * torch.randn(3, 3))
+
+    def forward(self, x):
+        return ((x @ self.a) @ torch.linalg.inv(self.b)).sum()
+
+
+def test_an_effect_token_does_not_shift_which_grad_each_gradient_goes_into():
+    torch.manual_seed(0)
+    model, x = Inverse(), torch.randn(3, 3)
+    grads = []
+    for step in (model, compiled(model)):
+        model.zero_grad(set_to_none=True)
+        step(x).backward()
+        step(2 * x).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g, e in zip(*grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
