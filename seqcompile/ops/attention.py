@@ -3,8 +3,7 @@ schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
     scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
-    keep = mask & (doc_q == doc_kv), each where given
-    out = dropout(softmax(where(keep, scores + bias, masked_value), causal, window), p) @ v
+    out = dropout(softmax(where(mask, scores + bias, masked_value), causal, window, docs), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
@@ -14,8 +13,9 @@ where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read 
 strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. `causal` and `window`
 (query i sees keys j <= i, and i - j < window when window > 0) are computed from the positions,
 never read, and the kernels skip the key blocks they hide. `doc_q` (..., Lq, 1) and `doc_kv`
-(..., 1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel,
-which skips the blocks where no query shares a document with a key. q @ k^T runs in q's
+(..., 1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel
+(a key of another document takes -inf, as above the causal diagonal), which skips the blocks where
+no query shares a document with a key. q @ k^T runs in q's
 dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
 v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
 probabilities, and regenerates the dropout mask from the seed."""
@@ -187,7 +187,7 @@ def attention(
     doc_kv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     layout = _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q, doc_kv)
-    masked_value = _finite(masked_value)
+    masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
@@ -310,9 +310,15 @@ def _common_args(
     if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
         strides += [*_strides4(docs[0], shape)[:3], *_strides4(docs[1], shape)[:2]]
         strides.append(_strides4(docs[1], shape)[3])
-    strides += [masked_value] if mask is not None or documents is not None else []
+    strides += [masked_value] if mask is not None else []
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
+
+
+def _hiding(window: int, q: Tensor, k: Tensor) -> int:
+    """A window at most as wide as the scores' diagonals (a wider one hides nothing), so the
+    kernels' bounds from it stay in 32 bits."""
+    return min(window, q.shape[-2] + k.shape[-2]) if window > 0 else window
 
 
 def _finite(value: float) -> float:
@@ -382,7 +388,7 @@ def attention_backward(
     """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
     `bias_grad`."""
     layout = Layout.of(q, k, v)
-    masked_value = _finite(masked_value)
+    masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
     q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
     dq, dk, dv, dbias = impl(

@@ -2,11 +2,11 @@
 for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
-the kernels follow (keys of another document than the query's, with `documents`, are masked as the
-boolean mask masks): scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
-`softcap` is not 0, plus `bias`; positions the boolean `mask` rejects take
-`masked_value`, positions above the diagonal (causal) and keys `window` or more positions before
-the query (a sliding window, when `window` > 0) take -inf, then softmax and dropout. A row
+the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
+`softcap` is not 0, plus `bias`; positions the boolean `mask` rejects take `masked_value`;
+positions above the diagonal (causal), keys `window` or more positions before the query (a sliding
+window, when `window` > 0) and keys of another document than the query's (with `documents`) take
+-inf; then softmax and dropout. A row
 whose every score is -inf gives zero output and zero gradients (as torch's SDPA defines it); a row
 filled with a finite `masked_value` averages over all keys (as eager softmax does).
 """
@@ -68,13 +68,13 @@ def scores(
     if bias is not None:
         s = s + bias.float()
     attend = torch.ones((), dtype=torch.bool, device=q.device).expand(s.shape)
-    if documents is not None:
-        mask = (
-            documents[0] == documents[1] if mask is None else mask & (documents[0] == documents[1])
-        )
     if mask is not None:
         s = s.masked_fill(~mask, masked_value)
         attend = attend & mask
+    if documents is not None:
+        same = documents[0] == documents[1]
+        s = s.masked_fill(~same, -math.inf)
+        attend = attend & same
     keep = diagonal_keep(s.shape[-2], s.shape[-1], causal, window, q.device)
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)

@@ -514,7 +514,10 @@ def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
 
 
 def _take_documents(site: Site) -> None:
-    """A mask factor comparing query with key document ids goes to the kernel as the ids."""
+    """A mask factor comparing query with key document ids goes to the kernel as the ids, where
+    the masks fill at most `CAUSAL_FILL` (the kernel fills -inf for another document's keys)."""
+    if site.masked_value is not None and site.masked_value > CAUSAL_FILL:
+        return
     for factor, keeps in site.keep:
         ids = document_ids(factor, keeps) if factor not in site.frames else None
         if ids is not None:

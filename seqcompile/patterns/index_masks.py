@@ -207,7 +207,7 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
     two dims: an `arange` with unit step, through integer offsets and views that only add or
     remove size-1 dims or broadcast."""
     value = tensor_val(node)
-    if value is None or value.is_floating_point() or value.dtype == torch.bool:
+    if value is None or value.dtype not in _POSITION_DTYPES:
         return None
     varying = [d for d in range(value.dim()) if not statically_known_true(value.shape[d] == 1)]
     if len(varying) != 1 or value.dim() - varying[0] > 2:
@@ -227,7 +227,9 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
         else:
             return None
         source = tensor_val(node)
-        if source is None or sum(not statically_known_true(s == 1) for s in source.shape) > 1:
+        if source is None or source.dtype not in _POSITION_DTYPES:
+            return None  # narrower integers wrap around
+        if sum(not statically_known_true(s == 1) for s in source.shape) > 1:
             return None
     if node.target is aten.arange.default:
         start, end, step = 0, node.args[0], 1
@@ -252,6 +254,9 @@ def _is_bool(node: object) -> bool:
     return value is not None and value.dtype == torch.bool
 
 
+_POSITION_DTYPES = (torch.int32, torch.int64)
+"""Dtypes positions are read in: narrower integers wrap around, which the arithmetic here does
+not model."""
 WHERE = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 _SCALAR_TESTS = {
     aten.lt.Scalar: operator.lt,
@@ -298,6 +303,5 @@ def _int_cast(node: object) -> bool:
     return (
         is_call(node, aten.to.dtype, aten._to_copy.default)
         and value is not None
-        and not value.is_floating_point()
-        and value.dtype != torch.bool
+        and value.dtype in _POSITION_DTYPES
     )

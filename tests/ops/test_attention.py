@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0, window=0, softcap=0.0):  # fmt: skip
+             keep=None, p=0.0, window=0, softcap=0.0, docs=None):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
     soft cap, bias, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
     defines it."""
@@ -46,6 +46,8 @@ def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value
     if causal:
         above = ~torch.ones(s.shape[-2:], dtype=torch.bool).tril()  # top-left: key j <= query i
         s = s.masked_fill(above, -math.inf)
+    if docs is not None:  # a key of another document than the query's
+        s = s.masked_fill(docs[0] != docs[1], -math.inf)
     if window:
         rows, cols = s.shape[-2:]  # query i sees keys j with i - j < window
         far = torch.arange(rows)[:, None] - torch.arange(cols)[None, :] >= window
@@ -89,12 +91,9 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     if p > 0:
         keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
     dq_, dk_, dv_, *rest = doubles
-    if docs is not None:  # a key of another document is masked as the mask masks
-        same = docs[0] == docs[1]
-        mask = same if mask is None else mask & same
     expected, s = composed(
         dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
-        masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
+        masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap, docs=docs,
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -311,7 +310,7 @@ def test_causal_with_padding_mask(impl, masked_value):
 @pytest.mark.parametrize(
     "lq,lk,window,causal",
     [(40, 40, 5, True), (40, 40, 17, True), (33, 17, 40, True), (17, 33, 3, False),
-     (40, 40, 1, True)],
+     (40, 40, 1, True), (40, 40, 2**31 - 1, False)],
 )  # fmt: skip
 def test_sliding_window(impl, lq, lk, window, causal):
     """Query i sees keys j with i - j < window (and j <= i when causal); the key blocks before a
@@ -390,14 +389,20 @@ def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
         assert t[..., :16, :].isfinite().all()
 
 
-def test_packed_documents_with_a_padding_mask_and_a_learned_bias(impl):
+@pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
+def test_packed_documents_with_a_padding_mask_and_a_learned_bias(impl, masked_value):
+    """The second document of the second row is all padding: with a finite fill its rows average
+    its own (padded) keys, the other document's staying -inf, however the blocks fall."""
     g = torch.Generator().manual_seed(13)
     q, k, v = qkv(g, 2, 2, 37, 37, 16)
     bias = randn(g, 1, 2, 37, 37)
     mask = torch.rand(2, 1, 1, 37, generator=g) > 0.2
-    mask[..., 0] = mask[..., 20] = True
+    mask[..., 0] = mask[0, ..., 20] = True
+    mask[1, ..., 20:] = False
     doc_q, doc_kv = packed([(20,), (20,)], 37)
-    _, (_, _, _, dbias) = run_and_compare(q, k, v, bias, mask, causal=True, docs=(doc_q, doc_kv))
+    _, (_, _, _, dbias) = run_and_compare(
+        q, k, v, bias, mask, causal=True, docs=(doc_q, doc_kv), masked_value=masked_value
+    )
     other = (doc_q != doc_kv).expand(2, 1, 37, 37).any(0)[0]
     assert torch.equal(dbias[..., other], torch.zeros_like(dbias[..., other]))
 
