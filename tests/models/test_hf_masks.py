@@ -26,7 +26,7 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", MODELS)
 def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, implementation):
     build, windowed = MODELS[model]
