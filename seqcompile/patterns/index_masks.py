@@ -3,11 +3,13 @@
 `kv_idx = arange(Lk)[None, None, None, :]`), compared (`kv_idx <= q_idx`), and the comparisons
 and other masks (a padding mask gathered per key) combined with `&`.
 
-A mask is split into its factors (the masks whose conjunction keeps a score), and a factor that
+A mask is split into its factors (the masks whose conjunction keeps a score). A factor that
 compares key with query positions (or their difference with a constant) is read as a half-plane
-of the scores, `kv - q <= d` or
-`kv - q >= d`: `kv - q <= 0` is the causal triangle and `kv - q >= 1 - w` a sliding window of w
-keys (Mistral's `kv_idx > q_idx - w`), which the kernel computes, skipping the blocks they hide.
+of the scores, `kv - q <= d` or `kv - q >= d`: `kv - q <= 0` is the causal triangle and
+`kv - q >= 1 - w` a sliding window of w keys (Mistral's `kv_idx > q_idx - w`), which the kernel
+computes, skipping the blocks they hide. A factor comparing ids along the queries with ids along
+the keys is a packed batch's document mask, which the kernel compares from the ids. A test of a
+float mask made from a boolean one (`where(m, 0, finfo.min).to(bool)`) is read as that mask.
 """
 
 from __future__ import annotations
