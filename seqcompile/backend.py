@@ -412,7 +412,7 @@ def _verify(
                 found.counts.subtract(site.split(":")[0] for site in finding.left_unfused)
                 kept = next((r for c, r in recompiled if c is result), CompileReport())
                 found.kernels, found.memory = kept.kernels, kept.memory
-                found.variants = kept.variants
+                found.variants, found.sites = kept.variants, kept.sites
             found.missed += [
                 Missed(state.name, "verify", f"left unfused: {site}")
                 for site in finding.left_unfused

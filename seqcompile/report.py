@@ -101,8 +101,9 @@ class CompileReport:
     """What fused sites compute at the traced sizes beyond their kernels (attention's masks and
     the blocks it skips), as "graph op: site: description"."""
     withdrawn: tuple[str, ...] = ()
-    """Graphs whose kernels, memory plans and backward variants this report takes back where it is
-    merged: `verify` replaced their compile (by one without some sites, or by eager)."""
+    """Graphs whose kernels, memory plans, site descriptions and backward variants this report
+    takes back where it is merged: `verify` replaced their compile (by one without some sites, or
+    by eager)."""
 
     def add_kernel(self, kernel: KernelUse) -> None:
         if kernel not in self.kernels:

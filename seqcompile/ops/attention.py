@@ -95,16 +95,18 @@ def _products(call: Call, q_dims: int, v_dims: int) -> int:
 
 
 def visible_pairs(lq: int, lk: int, causal: bool, window: int) -> int:
-    """How many (query, key) pairs `causal` and `window` leave, top-left aligned."""
-    if not causal and window <= 0:
-        return lq * lk
-    return sum(
-        max(
-            0,
-            (min(i, lk - 1) if causal else lk - 1) - (max(0, i - window + 1) if window else 0) + 1,
-        )
-        for i in range(lq)
-    )
+    """How many (query, key) pairs `causal` and `window` leave, top-left aligned: those with
+    key - query <= 0 (all, without causal) less those with key - query <= -window."""
+    kept = _pairs_below(lq, lk, 0) if causal else lq * lk
+    return kept - (_pairs_below(lq, lk, -window) if window > 0 else 0)
+
+
+def _pairs_below(lq: int, lk: int, diagonal: int) -> int:
+    """Pairs (i, j) of an Lq x Lk grid with j - i <= `diagonal`: row i has
+    clamp(i + diagonal + 1, 0, Lk) of them, 0 up to row `start`, Lk from row `full` on."""
+    c = diagonal + 1
+    start, full = min(max(-c, 0), lq), min(max(lk - c, 0), lq)
+    return (full - start) * c + (start + full - 1) * (full - start) // 2 + (lq - full) * lk
 
 
 def forward_flops(call: Call) -> int:
@@ -306,13 +308,21 @@ def _common_args(
     docs = documents or ()
     pointers = [t for t in (bias, mask, *docs) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
-    strides += _strides4(mask, shape)
+    strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
-        strides += [*_strides4(docs[0], shape)[:3], *_strides4(docs[1], shape)[:2]]
-        strides.append(_strides4(docs[1], shape)[3])
-    strides += [masked_value] if mask is not None else []
+        q_ids, kv_ids = (_strides4(t, shape) for t in documents)
+        strides += [*q_ids[:3], *kv_ids[:2], kv_ids[3]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
+
+
+def _as_called(bias, mask, p, causal, window, softcap, documents, **more) -> dict[str, Any]:
+    """The arguments `_flags` reads, by the op's names, from a launcher's."""
+    doc_q = None if documents is None else documents[0]
+    return dict(
+        bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap, doc_q=doc_q,
+        **more,
+    )  # fmt: skip
 
 
 def _hiding(window: int, q: Tensor, k: Tensor) -> int:
@@ -342,9 +352,7 @@ def forward_kernels(
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    doc_q = None if documents is None else documents[0]
-    flags = dict(bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap)
-    (spec,) = forward_kernels_of(dict(flags, doc_q=doc_q))
+    (spec,) = forward_kernels_of(_as_called(bias, mask, p, causal, window, softcap, documents))
     pointers, scalars = _common_args(
         q, k, v, bias, mask, masked_value, scale, window, softcap, documents
     )
@@ -437,11 +445,8 @@ def backward_kernels(
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
         )  # fmt: skip
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            dict(
-                bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap,
-                doc_q=None if documents is None else documents[0], bias_grad=bias_grad,
-            )
-        )  # fmt: skip
+            _as_called(bias, mask, p, causal, window, softcap, documents, bias_grad=bias_grad)
+        )
         pointers, scalars = _common_args(
             q, k, v, bias, mask, masked_value, scale, window, softcap, documents
         )
@@ -474,8 +479,10 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv)
-    ctx.config = (stream, p, scale, causal, masked_value)
-    ctx.window_softcap = (window, softcap)
+    ctx.config = dict(
+        stream=stream, p=p, scale=scale, causal=causal, masked_value=masked_value,
+        window=window, softcap=softcap,
+    )  # fmt: skip
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
@@ -484,8 +491,8 @@ def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
-        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, *ctx.config, bias_grad,
-        *ctx.window_softcap, doc_q, doc_kv,
+        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed,
+        bias_grad=bias_grad, doc_q=doc_q, doc_kv=doc_kv, **ctx.config,
     )  # fmt: skip
     return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 11
 

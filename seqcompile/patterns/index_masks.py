@@ -151,8 +151,8 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
             node = node.args[0]
         elif is_call(node, *_NOT) and _is_bool(node.args[0]):
             node, keeps = node.args[0], not keeps
-        elif _test_of_where(node) is not None:  # where(m, 0, min).to(bool), MPT's mask
-            node, flips = _test_of_where(node)
+        elif (tested := _test_of_where(node)) is not None:  # where(m, 0, min).to(bool): MPT
+            node, flips = tested
             keeps = keeps != flips
         else:
             break

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion, kernel_flags
 
-from seqcompile.ops.attention import key_blocks
+from seqcompile.ops.attention import key_blocks, visible_pairs
 from seqcompile.ops.attention_reference import diagonal_keep
 from seqcompile.report import collecting
 
@@ -263,12 +263,18 @@ def positions(n):
     ids=["kv_le_q", "q_ge_kv", "kv_lt_q_plus_1", "not_kv_gt_q", "and_masks", "two_dims"],
 )
 def test_a_causal_mask_from_positions_is_read_as_causal(keep):
+    assert key_where_positions_keep(keep) == kernel_flags(causal=True)
+
+
+def key_where_positions_keep(keep):
+    """The forward kernel's key for attention over 10 positions whose scores are kept where
+    `keep(q_idx, kv_idx)` holds (`finfo.min` elsewhere), checked against eager."""
+
     def fn(q, k, v):
         q_idx, kv_idx = positions(q.shape[-2])
         return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
 
-    report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == kernel_flags(causal=True)
+    return forward_kernel_key(fused(fn, qkv(lq=10, lk=10)))
 
 
 def test_a_mask_from_positions_that_masks_where_true_is_read_as_causal():
@@ -446,10 +452,12 @@ def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits()
 
 
 @pytest.mark.parametrize(
-    "lq, lk, causal, window", [(40, 40, True, 5), (40, 40, False, 17), (33, 70, True, 0)]
+    "lq, lk, causal, window",
+    [(40, 40, True, 5), (40, 40, False, 17), (33, 70, True, 0)],
 )
-def test_the_counted_blocks_are_those_with_a_visible_pair(lq, lk, causal, window):
+def test_the_counted_blocks_and_pairs_are_those_causal_and_window_leave(lq, lk, causal, window):
     keep = diagonal_keep(lq, lk, causal, window, torch.device("cpu"))
+    assert visible_pairs(lq, lk, causal, window) == int(keep.sum())
     blocks = F.pad(keep, (0, -lk % 16, 0, -lq % 16)).view(-(-lq // 16), 16, -(-lk // 16), 16)
     visible = int(blocks.any(3).any(1).sum())
     assert key_blocks(lq, lk, causal, window, BLOCK_M=16, BLOCK_N=16) == (
@@ -471,12 +479,7 @@ def test_the_counted_blocks_are_those_with_a_visible_pair(lq, lk, causal, window
     ids=["shifted_diagonal", "scaled_difference", "or_prefix", "future_only", "uint8"],
 )
 def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
-    def fn(q, k, v):
-        q_idx, kv_idx = positions(q.shape[-2])
-        return softmax_v(torch.where(keep(q_idx, kv_idx), scores(q, k), MIN), v)
-
-    report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == kernel_flags(mask=True)
+    assert key_where_positions_keep(keep) == kernel_flags(mask=True)
 
 
 # ---------------------------------------------------------------------------------------------
