@@ -167,5 +167,5 @@ class AccumulatingCalls(TorchDispatchMode):
 
 def kernel_flags(**on: bool) -> dict[str, bool]:
     """The attention kernels' flags (their key), those named set."""
-    flags = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents")
+    flags = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents", "relative")
     return {flag: on.get(flag, False) for flag in flags}

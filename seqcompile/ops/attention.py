@@ -3,7 +3,8 @@ schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
     scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
-    out = dropout(softmax(where(mask, scores + bias, masked_value), causal, window, docs), p) @ v
+    biased = scores + bias + rel_bias[..., 0, j - i + Lq - 1]     (query i, key j)
+    out = dropout(softmax(where(mask, biased, masked_value), causal, window, docs), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
@@ -15,7 +16,10 @@ strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. `causa
 never read, and the kernels skip the key blocks they hide. `doc_q` (..., Lq, 1) and `doc_kv`
 (..., 1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel
 (a key of another document takes -inf, as above the causal diagonal), which skips the blocks where
-no query shares a document with a key. q @ k^T runs in q's
+no query shares a document with a key. `rel_bias` (..., 1, Lq + Lk - 1), a bias that depends only on
+the key's position less the query's (T5's relative-position buckets, ALiBi by distance), is read
+per diagonal, never spread to the scores' size, and its gradient is summed per diagonal in the
+kernel. q @ k^T runs in q's
 dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
 v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
 probabilities, and regenerates the dropout mask from the seed."""
@@ -46,11 +50,11 @@ def forward_spec(**flags: bool) -> KernelSpec:
     return KernelSpec.of("attention_fwd", **flags)
 
 
-def backward_specs(*, bias_grad: bool, **flags: bool) -> list[KernelSpec]:
+def backward_specs(*, bias_grad: bool, rel_grad: bool = False, **flags: bool) -> list[KernelSpec]:
     return [
         DELTA,
         KernelSpec.of("attention_bwd_dkdv", **flags),
-        KernelSpec.of("attention_bwd_dq", bias_grad=bias_grad, **flags),
+        KernelSpec.of("attention_bwd_dq", bias_grad=bias_grad, rel_grad=rel_grad, **flags),
     ]
 
 
@@ -67,6 +71,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
         window=call["window"] > 0,
         softcap=call["softcap"] != 0,
         documents=call["doc_q"] is not None,
+        relative=call["rel_bias"] is not None,
     )
 
 
@@ -77,7 +82,7 @@ def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
 
 def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
     """The kernels an `attention_backward` call launches: the row deltas, dk and dv, dq."""
-    return backward_specs(bias_grad=call["bias_grad"], **_flags(call))
+    return backward_specs(bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], **_flags(call))
 
 
 def _products(call: Call, q_dims: int, v_dims: int) -> int:
@@ -130,7 +135,9 @@ def describe(call: Call) -> str | None:
         kinds.append(f"scores soft-capped at {call['softcap']:g}")
     for name in ("mask", "bias"):
         if call[name] is not None:
-            kinds.append(f"reads a {name} {tuple(concrete(n) for n in call.value(name).shape)}")
+            kinds.append(f"reads a {name} {_shape(call.value(name))}")
+    if call["rel_bias"] is not None:
+        kinds.append(f"reads a bias by key - query position {_shape(call.value('rel_bias'))}")
     if call["doc_q"] is not None:
         kinds.append(
             "compares document ids (skipping blocks where no query shares a key's document,"
@@ -143,6 +150,10 @@ def describe(call: Call) -> str | None:
     visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
     tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
     return f"{', '.join(kinds)}; the forward visits {visited} of {total} {tile} blocks per head"
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(concrete(n) for n in t.shape)
 
 
 def key_blocks(
@@ -159,11 +170,15 @@ def key_blocks(
 
 
 def backward_workspace(call: Call) -> int:
-    """Each query row's delta, and the float32 bias gradient at the scores' full size before it is
-    summed to the bias's shape (when the bias needs one)."""
+    """Each query row's delta, the float32 bias gradient at the scores' full size before it is
+    summed to the bias's shape (when the bias needs one), and the relative bias's per (batch,
+    head) (when it needs one)."""
     q, k = call.value("q"), call.value("k")
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
     rows = concrete(q.numel()) // concrete(q.shape[-1])
-    return 4 * rows * (1 + (concrete(k.shape[-2]) if call["bias_grad"] else 0))
+    bias = rows * lk if call["bias_grad"] else 0
+    relative = rows // max(lq, 1) * (lq + lk - 1) if call["rel_grad"] else 0
+    return 4 * (rows + bias + relative)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,21 +202,22 @@ def attention(
     softcap: float = 0.0,
     doc_q: Tensor | None = None,
     doc_kv: Tensor | None = None,
+    rel_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    layout = _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q, doc_kv)
+    layout = _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q, doc_kv, rel_bias)
     masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
         seed, stream, p, scale, causal, masked_value, window, softcap,
-        _documents4(layout, doc_q, doc_kv),
+        _documents4(layout, doc_q, doc_kv), _relative4(layout, rel_bias),
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
 def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-      doc_q=None, doc_kv=None):  # fmt: skip
+      doc_q=None, doc_kv=None, rel_bias=None):  # fmt: skip
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -226,7 +242,13 @@ def _documents4(layout: Layout, doc_q, doc_kv) -> tuple[Tensor, Tensor] | None:
     return None if doc_q is None else (layout.to4(doc_q), layout.to4(doc_kv))
 
 
-def _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None) -> Layout:
+def _relative4(layout: Layout, rel_bias: Tensor | None) -> Tensor | None:
+    return None if rel_bias is None else layout.to4(rel_bias)
+
+
+def _checked_layout(
+    q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None, rel_bias=None
+) -> Layout:
     """The operands' layout; errors a caller can act on, raised before any kernel runs."""
     layout = Layout.of(q, k, v)
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -256,6 +278,14 @@ def _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=Non
                 f"seqfast::attention: document ids of shapes {tuple(doc_q.shape)} and"
                 f" {tuple(doc_kv.shape)} must broadcast to the scores {scores} as (..., Lq, 1)"
                 " and (..., 1, Lk)"
+            )
+    if rel_bias is not None:
+        diagonals = (*scores[:-2], 1, scores[-2] + scores[-1] - 1)
+        if not rel_bias.is_floating_point() or not broadcasts_to(rel_bias.shape, diagonals):
+            raise ValueError(
+                f"seqfast::attention: rel_bias must be floating point and broadcast to"
+                f" {diagonals} (one value per key - query diagonal); got {rel_bias.dtype}"
+                f" {tuple(rel_bias.shape)}"
             )
     return layout
 
@@ -301,27 +331,32 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _common_args(
-    q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+    q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
 ) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
     docs = documents or ()
-    pointers = [t for t in (bias, mask, *docs) if t is not None]
+    pointers = [t for t in (bias, mask, *docs, rel_bias) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
     strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
         q_ids, kv_ids = (_strides4(t, shape) for t in documents)
         strides += [*q_ids[:3], *kv_ids[:2], kv_ids[3]]
+    if rel_bias is not None:  # (b, h, diagonal)
+        rel = _strides4(rel_bias, (*shape[:2], 1, rel_bias.shape[-1]))
+        strides += [*rel[:2], rel[3]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
 
 
-def _as_called(bias, mask, p, causal, window, softcap, documents, **more) -> dict[str, Any]:
+def _as_called(
+    bias, mask, p, causal, window, softcap, documents, rel_bias, **more
+) -> dict[str, Any]:
     """The arguments `_flags` reads, by the op's names, from a launcher's."""
     doc_q = None if documents is None else documents[0]
     return dict(
         bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap, doc_q=doc_q,
-        **more,
+        rel_bias=rel_bias, **more,
     )  # fmt: skip
 
 
@@ -341,7 +376,7 @@ def _finite(value: float) -> float:
 
 def forward_kernels(
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-    documents=None,
+    documents=None, rel_bias=None,
 ):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
@@ -352,9 +387,11 @@ def forward_kernels(
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    (spec,) = forward_kernels_of(_as_called(bias, mask, p, causal, window, softcap, documents))
+    (spec,) = forward_kernels_of(
+        _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias)
+    )
     pointers, scalars = _common_args(
-        q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+        q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
     )
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
@@ -392,32 +429,40 @@ def attention_backward(
     softcap: float = 0.0,
     doc_q: Tensor | None = None,
     doc_kv: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dbias) shaped as q, k, v and bias; dbias is empty unless
-    `bias_grad`."""
+    rel_bias: Tensor | None = None,
+    rel_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias, drel) shaped as q, k, v, bias and rel_bias; dbias is empty
+    unless `bias_grad`, drel unless `rel_grad`."""
     layout = Layout.of(q, k, v)
     masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
     q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
-    dq, dk, dv, dbias = impl(
+    dq, dk, dv, dbias, drel = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        softcap, _documents4(layout, doc_q, doc_kv),
+        softcap, _documents4(layout, doc_q, doc_kv), _relative4(layout, rel_bias), rel_grad,
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
-    return (*grads, layout.from4(dbias, bias) if bias_grad else dbias)
+    return (
+        *grads,
+        layout.from4(dbias, bias) if bias_grad else dbias,
+        layout.from4(drel, rel_bias) if rel_grad else drel,
+    )
 
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad, window=0, softcap=0.0, doc_q=None, doc_kv=None):  # fmt: skip
+      masked_value, bias_grad, window=0, softcap=0.0, doc_q=None, doc_kv=None, rel_bias=None,
+      rel_grad=False):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    drel = rel_bias.new_empty(rel_bias.shape) if rel_grad else reference.no_bias_grad(q, rel_bias)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, drel
 
 
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0, documents=None,
+    masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
@@ -433,6 +478,7 @@ def backward_kernels(
         skips = causal or window > 0 or documents is not None
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
+    drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or lk == 0:
         for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
             t.zero_()
@@ -444,11 +490,12 @@ def backward_kernels(
             grad_out, out, delta, b * h * lq,
             HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
         )  # fmt: skip
+        grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            _as_called(bias, mask, p, causal, window, softcap, documents, bias_grad=bias_grad)
+            _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, **grads)
         )
         pointers, scalars = _common_args(
-            q, k, v, bias, mask, masked_value, scale, window, softcap, documents
+            q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
         )
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
@@ -459,13 +506,18 @@ def backward_kernels(
         )  # fmt: skip
         kernel_function(dq_spec)[(triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)](
             q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dq,
-            *([dbias_full] if bias_grad else []), *scalars, *dropout_args, **constants,
+            *([dbias_full] if bias_grad else []), *([drel_full] if rel_grad else []),
+            *scalars, *dropout_args, **constants,
         )  # fmt: skip
     if bias_grad:
         dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
     else:
         dbias = reference.no_bias_grad(q, bias)
-    return dq, _as_dtype(dk, k_in.dtype), dv, dbias
+    if rel_grad:
+        drel = drel_full.unsqueeze(2).sum_to_size(rel_bias.shape).to(rel_bias.dtype)
+    else:
+        drel = reference.no_bias_grad(q, rel_bias)
+    return dq, _as_dtype(dk, k_in.dtype), dv, dbias, drel
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,11 +526,11 @@ def backward_kernels(
 
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs[:13]
-    doc_q, doc_kv = inputs[13:]
+    doc_q, doc_kv, rel_bias = inputs[13:]
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv)
+    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias)
     ctx.config = dict(
         stream=stream, p=p, scale=scale, causal=causal, masked_value=masked_value,
         window=window, softcap=softcap,
@@ -487,14 +539,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 15
-    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv = ctx.saved_tensors
+        return (None,) * 16
+    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = torch.ops.seqfast.attention_backward(
+    rel_grad = rel_bias is not None and ctx.needs_input_grad[15]
+    dq, dk, dv, dbias, drel = torch.ops.seqfast.attention_backward(
         grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed,
-        bias_grad=bias_grad, doc_q=doc_q, doc_kv=doc_kv, **ctx.config,
+        bias_grad=bias_grad, doc_q=doc_q, doc_kv=doc_kv, rel_bias=rel_bias, rel_grad=rel_grad,
+        **ctx.config,
     )  # fmt: skip
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 11
+    grads = (dq, dk, dv, dbias if bias_grad else None)
+    return grads + (None,) * 11 + (drel if rel_grad else None,)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -509,7 +564,7 @@ ENTRY = FusedOp(
         torch.ops.seqfast.attention.default: forward_kernels_of,
         torch.ops.seqfast.attention_backward.default: backward_kernels_of,
     },
-    saves="q, k, v, the output, two per-row statistics (row max, log-sum) and the bias and mask"
+    saves="q, k, v, the output, two per-row statistics (row max, log-sum) and the biases and mask"
     " as given, never the probabilities; the dropout mask is regenerated from the seed",
     flops={
         torch.ops.seqfast.attention.default: forward_flops,

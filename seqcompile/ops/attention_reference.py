@@ -3,12 +3,13 @@ for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
 the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
-`softcap` is not 0, plus `bias`; positions the boolean `mask` rejects take `masked_value`;
-positions above the diagonal (causal), keys `window` or more positions before the query (a sliding
-window, when `window` > 0) and keys of another document than the query's (with `documents`) take
--inf; then softmax and dropout. A row
-whose every score is -inf gives zero output and zero gradients (as torch's SDPA defines it); a row
-filled with a finite `masked_value` averages over all keys (as eager softmax does).
+`softcap` is not 0, plus `bias`, plus `rel_bias` (..., 1, Lq + Lk - 1) at key - query + Lq - 1 (a
+bias that depends only on the key's position less the query's); positions the boolean `mask`
+rejects take `masked_value`; positions above the diagonal (causal), keys `window` or more
+positions before the query (a sliding window, when `window` > 0) and keys of another document than
+the query's (with `documents`) take -inf; then softmax and dropout. A row whose every score is
+-inf gives zero output and zero gradients (as torch's SDPA defines it); a row filled with a finite
+`masked_value` averages over all keys (as eager softmax does).
 """
 
 from __future__ import annotations
@@ -45,6 +46,27 @@ def diagonal_keep(
     return keep.expand(rows, cols)
 
 
+def diagonals(rows: int, cols: int, device: torch.device) -> Tensor:
+    """Index of each score's diagonal in a relative bias: key - query + rows - 1, (rows, cols)."""
+    i = torch.arange(rows, device=device)[:, None]
+    return torch.arange(cols, device=device)[None, :] - i + rows - 1
+
+
+def relative_scores(rel_bias: Tensor, rows: int, cols: int) -> Tensor:
+    """A relative bias (..., 1, rows + cols - 1) spread over the scores (..., rows, cols)."""
+    return rel_bias[..., 0, :][..., diagonals(rows, cols, rel_bias.device)]
+
+
+def relative_grad(ds: Tensor, rel_bias: Tensor) -> Tensor:
+    """The gradient of a relative bias: the scores' gradients summed along each diagonal (and over
+    what the bias broadcasts), shaped as `rel_bias`."""
+    rows, cols = ds.shape[-2:]
+    index = diagonals(rows, cols, ds.device).flatten().expand(*ds.shape[:-2], rows * cols)
+    sums = ds.new_zeros((*ds.shape[:-2], rows + cols - 1))
+    sums.scatter_add_(-1, index, ds.flatten(-2))
+    return sums.unsqueeze(-2).sum_to_size(rel_bias.shape).to(rel_bias.dtype)
+
+
 def scores(
     q: Tensor,
     k: Tensor,
@@ -56,6 +78,7 @@ def scores(
     window: int = 0,
     softcap: float = 0.0,
     documents: tuple[Tensor, Tensor] | None = None,
+    rel_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """float32 scores after soft cap, bias, mask, causal and window, where each query may
     attend, and the soft cap's derivative (None without one)."""
@@ -67,6 +90,8 @@ def scores(
         s = softcap * capped
     if bias is not None:
         s = s + bias.float()
+    if rel_bias is not None:
+        s = s + relative_scores(rel_bias.float(), *s.shape[-2:])
     attend = torch.ones((), dtype=torch.bool, device=q.device).expand(s.shape)
     if mask is not None:
         s = s.masked_fill(~mask, masked_value)
@@ -110,9 +135,11 @@ def dropout_scale(
 
 def forward(
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-    documents=None,
+    documents=None, rel_bias=None,
 ):  # fmt: skip
-    s, _, _ = scores(q, k, bias, mask, scale, causal, masked_value, window, softcap, documents)
+    s, _, _ = scores(
+        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias
+    )
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -135,10 +162,10 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0, documents=None,
+    masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
 ):  # fmt: skip
     s, attend, slope = scores(
-        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents
+        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias
     )
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -152,6 +179,7 @@ def backward(
     delta = (do * out.float()).sum(-1, keepdim=True)
     ds = torch.where(attend, prob * (dp - delta), 0.0)
     dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else no_bias_grad(q, bias)
+    drel = relative_grad(ds, rel_bias) if rel_grad else no_bias_grad(q, rel_bias)
     if slope is not None:
         ds = ds * slope
     dq = ds @ expand_heads(k, heads).float() * scale
@@ -161,4 +189,5 @@ def backward(
         _sum_heads(dk, kv_heads).to(k.dtype),
         _sum_heads(dv, kv_heads).to(v.dtype),
         dbias.contiguous(),
+        drel.contiguous(),
     )

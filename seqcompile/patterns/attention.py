@@ -47,6 +47,7 @@ from seqcompile.patterns.index_masks import (
     narrower,
     split_diagonal,
 )
+from seqcompile.patterns.relative_bias import RelativeBias, per_diagonal, read_relative
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -78,6 +79,8 @@ class Site:
     """The scores are `softcap * tanh(q @ k^T * scale)` (0: plain `q @ k^T * scale`)."""
     documents: tuple[Node, Node] | None = None
     """Query and key document ids whose equality the kernel tests (a packed batch's mask)."""
+    relative: list[tuple[RelativeBias, float]] = dataclasses.field(default_factory=list)
+    """Biases that depend on key - query only, with their factors: read one value per diagonal."""
     p: float = 0.0
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
@@ -117,8 +120,10 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
             site.window = diagonal.window
             site.keep += rest
             site.masked_value = -math.inf
-        else:
-            site.biases.append((attn_mask, 1.0))
+        else:  # added to the scaled scores: its terms read as a written-out bias's
+            lk = tensor_val(k).shape[-2]
+            scores = torch.Size((*tensor_val(node).shape[:-1], lk))
+            return _apply_links(site, _bias_links(attn_mask, 1.0, scores), scores, node)
     return site
 
 
@@ -195,37 +200,61 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     return None
 
 
-def _bias_links(bias: Node, sign: float) -> list[Link]:
+def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     """The links of a bias added to (sign 1) or subtracted from the scores, latest first. An
     added bias is split into the terms it sums, and a term that is 0 where a mask keeps and at
-    most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`, or a
-    bias filled by `masked_fill(bias, mask, finfo.min)`) is read as that mask filling its value:
+    most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`) is read
+    as that mask filling its value, and a bias filled so (`masked_fill(bias, mask, finfo.min)`,
+    `where(mask, bias, finfo.min)`) as the mask and the bias:
     in float32 a score plus finfo.min is finfo.min, and either way the key adds nothing to a row
-    that keeps one. The fills come first, as the kernel fills after it adds the biases."""
+    that keeps one. A term of zeros that broadcasts to the `scores` (T5's cross-attention position
+    bias) adds nothing. The fills come first, as the kernel fills after it adds the biases."""
     node = bias
-    while is_call(node, aten.expand.default, aten.alias.default) or (
+    while is_call(node, *_SAME_VALUES) or (
         is_call(node, aten.slice.Tensor)
         and tensor_val(node).shape == tensor_val(node.args[0]).shape
     ):
         node = node.args[0]
+    if _zeros(node) and broadcasts_to(tensor_val(node).shape, scores):
+        return []
     if sign < 0:
         return [("bias", bias, sign)]
     if is_call(node, aten.add.Tensor) and arg(node, 2, "alpha", 1) == 1:
         terms = node.args[:2]
         if all(isinstance(t, Node) and tensor_val(t).is_floating_point() for t in terms):
-            links = [link for t in terms for link in _bias_links(t, sign)]
+            links = [link for t in terms for link in _bias_links(t, sign, scores)]
             return sorted(links, key=lambda link: link[0] != "mask")
     if is_call(node, aten.masked_fill.Scalar) and isinstance(node.args[0], Node):
         fill = constant(node.args[2])
         if fill is not None and fill <= CAUSAL_FILL:
-            return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign)]
+            return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign, scores)]
     if is_call(node, *WHERE):
         cond, kept, filled = node.args[:3]
-        for keeps, (zero, value) in ((True, (kept, filled)), (False, (filled, kept))):
+        for keeps, (term, value) in ((True, (kept, filled)), (False, (filled, kept))):
             fill = constant(value)
-            if constant(zero) == 0.0 and fill is not None and fill <= CAUSAL_FILL:
+            if fill is None or fill > CAUSAL_FILL:
+                continue
+            if constant(term) == 0.0:
                 return [("mask", cond, keeps, fill)]
+            if isinstance(term, Node) and tensor_val(term).is_floating_point():
+                return [("mask", cond, keeps, fill), *_bias_links(term, sign, scores)]
     return [("bias", bias, sign)]
+
+
+_SAME_VALUES = (
+    aten.expand.default,
+    aten.alias.default,
+    aten.contiguous.default,
+    aten.clone.default,
+)
+_FILL_ARGUMENT = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+
+
+def _zeros(node: Node) -> bool:
+    """A tensor of zeros made in the graph."""
+    if is_call(node, aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default):
+        return True
+    return is_call(node, *_FILL_ARGUMENT) and constant(node.args[_FILL_ARGUMENT[node.target]]) == 0
 
 
 def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Reject | None:
@@ -248,7 +277,8 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
             found = _walk_scores(above, sub_links := [], sub_nodes := [])
             bias_val = tensor_val(bias)
             if isinstance(found, Node) and bias_val is not None and not bias_val.is_complex():
-                links += [*_bias_links(bias, 1.0 if link[0] == "add" else -1.0), *sub_links]
+                sign = 1.0 if link[0] == "add" else -1.0
+                links += [*_bias_links(bias, sign, tensor_val(found).shape), *sub_links]
                 nodes += [node, *sub_nodes]
                 return found
             if isinstance(found, Reject) and len(sub_nodes) > depth:
@@ -335,7 +365,7 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     else:
         site.k_transposed = True
     site.nodes += [qk, *score_nodes, *prob_nodes]
-    applied = _apply_links(site, links, tensor_val(qk), softmax)
+    applied = _apply_links(site, links, tensor_val(qk).shape, softmax)
     if isinstance(applied, Site) and (
         applied.frames or any(not _same_batch(n, softmax) for n in (qk, pv))
     ):
@@ -351,9 +381,7 @@ def _same_batch(a: Node, b: Node) -> bool:
     )
 
 
-def _apply_links(
-    site: Site, links: list[Link], scores: torch.Tensor, softmax: Node
-) -> Site | Reject:
+def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Node) -> Site | Reject:
     """Fold the links (latest first, from the softmax up) into the site's scale, soft cap, biases
     and masks: a scale after a bias or a fill scales that bias or value too, and the scales
     after a `tanh` are its cap, those before it the scale inside. The kernel caps, then adds the
@@ -386,7 +414,7 @@ def _apply_links(
                     "a bias is added after a mask filled with {}; the kernel fills last", value
                 )
             diagonal, rest = (
-                split_diagonal(mask, keeps, scores.shape)
+                split_diagonal(mask, keeps, scores)
                 if value <= CAUSAL_FILL
                 else (Diagonal(), [(mask, keeps)])
             )
@@ -513,6 +541,27 @@ def _combined_mask(ctx: FuseContext, site: Site) -> Node | None:
     return total
 
 
+def _take_relative(site: Site) -> None:
+    """Biases that depend on positions only through key - query go to the kernel per diagonal."""
+    lq = tensor_val(site.q).shape[-2]
+    lk = tensor_val(site.k).shape[-1 if site.k_transposed else -2]
+    for bias, factor in list(site.biases):
+        relative = read_relative(bias, lq, lk) if bias not in site.frames else None
+        if relative is not None:
+            site.relative.append((relative, factor))
+            site.biases.remove((bias, factor))
+
+
+def _relative_bias(ctx: FuseContext, site: Site) -> Node | None:
+    total = None
+    for relative, factor in site.relative:
+        values = per_diagonal(ctx, relative)
+        if factor != 1.0:
+            values = ctx.call(aten.mul.Tensor, values, factor)
+        total = values if total is None else ctx.call(aten.add.Tensor, total, values)
+    return total
+
+
 def _take_documents(site: Site) -> None:
     """A mask factor comparing query with key document ids goes to the kernel as the ids, where
     the masks fill at most `CAUSAL_FILL` (the kernel fills -inf for another document's keys)."""
@@ -556,6 +605,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 softcap=site.softcap,
                 doc_q=site.documents[0] if site.documents else None,
                 doc_kv=site.documents[1] if site.documents else None,
+                rel_bias=_relative_bias(ctx, site),
             )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
@@ -581,4 +631,5 @@ class AttentionPattern:
         if site is None or isinstance(site, Reject):
             return site
         _take_documents(site)
+        _take_relative(site)
         return _check(site) or _rewrite(site, site_name(site.out))

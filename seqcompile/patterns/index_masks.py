@@ -105,9 +105,11 @@ def split_diagonal(
 ) -> tuple[Diagonal, list[tuple[Node, bool]]]:
     """The causal triangle and sliding window among `mask`'s factors (for the shape `scores`,
     its last two dims: `tril` of ones, `kv_idx <= q_idx`, `kv_idx > q_idx - w`), and the other
-    factors."""
+    factors, less those that keep every score."""
     diagonal, rest = Diagonal(), []
     for factor, factor_keeps in factors(mask, keeps):
+        if keeps_all(factor, factor_keeps, scores[-2], scores[-1]):
+            continue
         plane = half_plane(factor, factor_keeps, scores[-2], scores[-1])
         if plane is not None and diagonal.add(plane):
             continue
@@ -149,6 +151,8 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
     while True:
         if is_call(node, aten.expand.default, aten.alias.default) or _bool_cast(node):
             node = node.args[0]
+        elif _leading_ones(node):
+            node = node.args[0]
         elif is_call(node, *_NOT) and _is_bool(node.args[0]):
             node, keeps = node.args[0], not keeps
         elif (tested := _test_of_where(node)) is not None:  # where(m, 0, min).to(bool): MPT
@@ -169,15 +173,10 @@ def half_plane(factor: Node, keeps: bool, lq: object, lk: object) -> HalfPlane |
     """The scores `factor` keeps, where it compares a difference of key and query positions
     with a constant (`kv_idx <= q_idx`, `kv_idx > q_idx - w`, `q_idx - kv_idx < w`); None
     otherwise."""
-    if not is_call(factor, *_COMPARISONS) or len(factor.args) != 2:
+    compared = _comparison(factor, lq, lk)
+    if compared is None:
         return None
-    swap, strict = _COMPARISONS[factor.target]
-    a, b = factor.args[::-1] if swap else factor.args
-    la, lb = linear(a, lq, lk), linear(b, lq, lk)
-    if la is None or lb is None:
-        return None
-    form = la - lb  # form <= limit, with integer positions
-    limit = -1 if strict else 0
+    form, limit = compared
     if (form.q, form.kv) == (-1, 1):  # kv - q + c <= limit
         kept = HalfPlane(True, limit - form.constant)
     elif (form.q, form.kv) == (1, -1):  # q - kv + c <= limit  <=>  kv - q >= c - limit
@@ -185,6 +184,38 @@ def half_plane(factor: Node, keeps: bool, lq: object, lk: object) -> HalfPlane |
     else:
         return None
     return kept if keeps else kept.complement()
+
+
+def keeps_all(factor: Node, keeps: bool, lq: object, lk: object) -> bool:
+    """Whether `factor` keeps every score: it compares one position with a constant, and the
+    comparison comes out the same over all the positions (Hugging Face's bidirectional mask,
+    `q_idx >= 0`)."""
+    compared = _comparison(factor, lq, lk)
+    if compared is None:
+        return False
+    form, limit = compared
+    if form.kv == 0:
+        slope, length = form.q, lq
+    elif form.q == 0:
+        slope, length = form.kv, lk
+    else:
+        return False
+    reach = slope * (length - 1)  # the form spans constant + [min(0, reach), max(0, reach)]
+    if keeps:  # True keeps: the form never exceeds the limit
+        return statically_known_true(form.constant + reach <= limit) and form.constant <= limit
+    return statically_known_true(form.constant + reach > limit) and form.constant > limit
+
+
+def _comparison(factor: Node, lq: object, lk: object) -> tuple[Linear, int] | None:
+    """(form, limit) where `factor` compares linear forms of positions as `form <= limit`."""
+    if not is_call(factor, *_COMPARISONS) or len(factor.args) != 2:
+        return None
+    swap, strict = _COMPARISONS[factor.target]
+    a, b = factor.args[::-1] if swap else factor.args
+    la, lb = linear(a, lq, lk), linear(b, lq, lk)
+    if la is None or lb is None:
+        return None
+    return la - lb, -1 if strict else 0  # integer positions: a < b is a - b <= -1
 
 
 def linear(node: object, lq: object, lk: object) -> Linear | None:
@@ -290,6 +321,17 @@ def _test_of_where(node: object) -> tuple[Node, bool] | None:
     if ca is None or cb is None or test(ca) == test(cb) or not _is_bool(cond):
         return None
     return cond, not test(ca)
+
+
+def _leading_ones(node: object) -> bool:
+    """A view that only adds or removes leading size-1 dims (`m.view(1, 1, Lq, Lk)`)."""
+    if not is_call(node, aten.view.default, aten.reshape.default, aten.unsqueeze.default):
+        return False
+    before, after = tensor_val(node.args[0]), tensor_val(node)
+    if before is None or after is None or min(before.dim(), after.dim()) < 2:
+        return False
+    ones = all(statically_known_true(n == 1) for t in (before, after) for n in t.shape[:-2])
+    return ones and all(statically_known_true(before.shape[d] == after.shape[d]) for d in (-2, -1))
 
 
 def _bool_cast(node: object) -> bool:

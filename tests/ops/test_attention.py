@@ -29,9 +29,9 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0, window=0, softcap=0.0, docs=None):  # fmt: skip
+             keep=None, p=0.0, window=0, softcap=0.0, docs=None, rel_bias=None):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
-    soft cap, bias, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
+    soft cap, biases, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
     defines it."""
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] > k.shape[-3] > 1:
         group = q.shape[-3] // k.shape[-3]  # grouped-query heads: query head h reads h // group
@@ -41,6 +41,10 @@ def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value
         s = softcap * torch.tanh(s)
     if bias is not None:
         s = s + bias
+    if rel_bias is not None:  # score (i, j) adds the value of diagonal j - i
+        rows, cols = s.shape[-2:]
+        starts = range(rows - 1, -1, -1)  # row i's keys 0..cols-1 are diagonals rows-1-i onward
+        s = s + torch.stack([rel_bias[..., 0, start : start + cols] for start in starts], -2)
     if mask is not None:
         s = torch.where(mask, s, masked_value)
     if causal:
@@ -74,26 +78,27 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
                     p=0.0, seed=20240917, stream=3, scale=None, window=0,
-                    softcap=0.0, docs=None):  # fmt: skip
+                    softcap=0.0, docs=None, rel_bias=None):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
-    gradients (in the order q, k, v, bias)."""
+    gradients (in the order q, k, v, bias, rel_bias)."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
         q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap,
-        *(docs or (None, None)),
+        *(docs or (None, None)), rel_bias,
     )  # fmt: skip
-    operands = [t for t in (q, k, v, bias) if t is not None]
+    operands = [t for t in (q, k, v, bias, rel_bias) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     keep = None
     if p > 0:
         keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
-    dq_, dk_, dv_, *rest = doubles
+    by_name = dict(zip(["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"], doubles))
     expected, s = composed(
-        dq_, dk_, dv_, rest[0] if rest else None, mask, scale=scale, causal=causal,
-        masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap, docs=docs,
+        by_name["q"], by_name["k"], by_name["v"], by_name.get("bias"), mask, scale=scale,
+        causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
+        docs=docs, rel_bias=by_name.get("rel_bias"),
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -116,7 +121,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     wanted = [(t, d) for t, d in zip(operands, doubles, strict=True) if t.requires_grad]
     actual = torch.autograd.grad(out, [t for t, _ in wanted], grad_out)
     expected_grads = torch.autograd.grad(expected, [d for _, d in wanted], grad_out.double())
-    names = [n for n, t in zip("q k v bias".split(), operands, strict=False) if t.requires_grad]
+    names = [n for n, t in zip(by_name, operands, strict=True) if t.requires_grad]
     for name, a, e, (t, _) in zip(names, actual, expected_grads, wanted, strict=True):
         assert a.dtype == t.dtype and a.shape == t.shape, name
         assert a.isfinite().all(), f"d{name} not finite"
@@ -674,3 +679,43 @@ def test_empty_lengths(impl, lq, lk):
     grads = torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
     for grad, operand in zip(grads, (q, k, v, bias), strict=True):
         assert torch.equal(grad, torch.zeros_like(operand))
+
+
+# --------------------------------------------------------------------------------------------
+# a bias by key - query position
+
+
+@pytest.mark.parametrize(
+    "shape, causal, window",
+    [((1, 2, 1, 45), False, 0), ((2, 1, 1, 45), True, 0), ((1, 2, 1, 45), True, 9)],
+    ids=["per-head", "per-batch-causal", "per-head-window"],
+)
+def test_relative_bias_and_its_gradient(impl, shape, causal, window):
+    """A learned value per key - query diagonal (T5's buckets, ALiBi by distance), beside a bias
+    and a padding mask, at lengths that do not divide the blocks: its gradient sums the scores'
+    along each diagonal and over the dims it broadcasts, as autograd does for the (Lq, Lk) bias
+    it stands for."""
+    g = torch.Generator().manual_seed(15)
+    lq, lk = 21, 25
+    q, k, v = qkv(g, 2, 2, lq, lk, 16)
+    rel = randn(g, *shape[:-1], lq + lk - 1)
+    bias = randn(g, 1, 2, lq, lk)
+    mask = torch.rand(2, 1, 1, lk, generator=g) > 0.2
+    mask[..., 0] = True
+    run_and_compare(q, k, v, bias, mask, causal=causal, window=window, rel_bias=rel)
+
+
+def test_fixed_relative_bias(impl):
+    """Fixed slopes times the distance (ALiBi), needing no gradient of its own."""
+    g = torch.Generator().manual_seed(16)
+    q, k, v = qkv(g, 1, 2, 17, 17, 16)
+    slopes = torch.tensor([0.5, 0.25])[:, None, None]
+    rel = slopes * -torch.arange(-16, 17).abs().float()[None, None, :]
+    run_and_compare(q, k, v, causal=True, rel_bias=rel)
+
+
+def test_relative_bias_of_the_wrong_length_is_refused():
+    q = k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="one value per key - query diagonal"):
+        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, 0.0, None, None,
+                  torch.randn(2, 1, 5))  # fmt: skip

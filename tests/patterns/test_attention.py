@@ -394,6 +394,119 @@ def test_a_bias_summing_masks_and_alibi_reads_each_at_its_own_size(add_bias):
     assert "(1, 2, 1, 10)" in line and ", 10, 10)" not in line, line
 
 
+# ---------------------------------------------------------------------------------------------
+# biases by key - query position
+
+
+def t5_buckets(relative, bidirectional, buckets=8, max_distance=16):
+    """T5's relative-position buckets of key - query, as Hugging Face writes them."""
+    bucket = 0
+    if bidirectional:
+        buckets //= 2
+        bucket += (relative > 0).to(torch.long) * buckets
+        relative = torch.abs(relative)
+    else:
+        relative = -torch.min(relative, torch.zeros_like(relative))
+    exact = buckets // 2
+    large = exact + (
+        torch.log(relative.float() / exact) / math.log(max_distance / exact) * (buckets - exact)
+    ).to(torch.long)
+    large = torch.min(large, torch.full_like(large, buckets - 1))
+    return bucket + torch.where(relative < exact, relative, large)
+
+
+class T5Attention(torch.nn.Module):
+    """Scores plus a learned table's value at the bucket of key - query (T5 adds it unscaled)."""
+
+    def __init__(self, bidirectional, sdpa=False):
+        super().__init__()
+        self.table = torch.nn.Embedding(8, H)
+        self.bidirectional, self.sdpa = bidirectional, sdpa
+
+    def forward(self, q, k, v, keep):
+        lq, lk = q.shape[-2], k.shape[-2]
+        relative = torch.arange(lk)[None, :] - torch.arange(lq)[:, None]
+        bias = self.table(t5_buckets(relative, self.bidirectional)).permute(2, 0, 1).unsqueeze(0)
+        if not self.bidirectional:
+            keep = keep & (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None])
+        if self.sdpa:  # as transformers' SDPA path passes it: one float mask
+            mask = torch.where(keep, bias, MIN).contiguous()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return softmax_v((q @ k.transpose(-1, -2) + bias).masked_fill(~keep, MIN), v)
+
+
+@pytest.mark.parametrize(
+    "bidirectional, sdpa, lq, lk",
+    [(True, False, 20, 23), (False, False, 21, 21), (True, True, 20, 23), (False, True, 21, 21)],
+    ids=["encoder", "decoder", "encoder-sdpa", "decoder-sdpa"],
+)
+def test_t5_relative_position_buckets_are_read_per_diagonal(bidirectional, sdpa, lq, lk):
+    """The kernel reads the table's value per diagonal, (1, H, 1, Lq + Lk - 1), and sums its
+    gradient there; the table's gradient matches eager (checked by `fused`)."""
+    report = fused(T5Attention(bidirectional, sdpa), [*qkv(lq=lq, lk=lk), padding(lk=lk)])
+    assert forward_kernel_key(report) == kernel_flags(
+        mask=True, causal=not bidirectional, relative=True
+    )
+    (dq,) = [k for k in report.kernels if k.template == "attention_bwd_dq"]
+    assert dict(dq.key)["rel_grad"] is True
+    (line,) = report.sites
+    assert f"bias by key - query position (1, {H}, 1, {lq + lk - 1})" in line, line
+    assert f"reads a mask ({B}, 1, 1, {lk})" in line, line
+
+
+class DistanceAlibi(torch.nn.Module):
+    """ALiBi by distance: learned per-head slopes times -|query - key|."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25]))
+
+    def forward(self, q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        bias = -(q_idx - kv_idx).abs() * self.slopes.view(1, H, 1, 1)
+        return softmax_v(scores(q, k) + bias, v)
+
+
+def test_alibi_by_distance_is_read_per_diagonal_with_the_slopes_gradient():
+    report = fused(DistanceAlibi(), qkv(lq=18, lk=18))
+    assert forward_kernel_key(report) == kernel_flags(relative=True)
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        lambda q_idx, kv_idx: (q_idx * kv_idx).float() / 50,
+        lambda q_idx, kv_idx: ((kv_idx - q_idx) + q_idx).float() / 5,
+        lambda q_idx, kv_idx: (kv_idx - q_idx).float().cumsum(-1) / 50,
+        lambda q_idx, kv_idx: (kv_idx - q_idx).float() * torch.linspace(0, 1, 10).view(10, 1),
+    ],
+    ids=["product", "key_only", "cumsum", "scaled_per_query"],
+)
+def test_a_bias_from_positions_that_is_not_per_diagonal_is_read_as_a_bias(bias):
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(scores(q, k) + bias(q_idx, kv_idx), v)
+
+    report = fused(fn, qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == kernel_flags(bias=True)
+
+
+def test_a_bias_of_zeros_and_a_comparison_that_keeps_every_query_are_dropped():
+    """T5's cross-attention adds a zero position bias; Hugging Face's bidirectional mask tests
+    `q_idx >= 0`: neither is read, the padding stays (B, 1, 1, Lk)."""
+
+    def fn(q, k, v, keep):
+        q_idx = torch.arange(q.shape[-2])[None, None, :, None]
+        bias = torch.zeros(1, H, q.shape[-2], k.shape[-2])
+        mask = torch.where((q_idx >= 0) & keep, bias, MIN)
+        return softmax_v(scores(q, k) + mask, v)
+
+    report = fused(fn, [*qkv(), padding()])
+    assert forward_kernel_key(report) == kernel_flags(mask=True)
+    (line,) = report.sites
+    assert f"reads a mask ({B}, 1, 1, {LK})" in line, line
+
+
 def three_documents():
     """Document ids of a packed batch of 2 rows of 20 tokens: three documents, then two."""
     return torch.tensor([[0] * 6 + [1] * 9 + [2] * 5, [0] * 13 + [1] * 7])
