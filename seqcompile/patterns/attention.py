@@ -46,6 +46,7 @@ from seqcompile.patterns.index_masks import (
     document_ids,
     narrower,
     split_diagonal,
+    whole_slice,
 )
 from seqcompile.patterns.relative_bias import RelativeBias, per_diagonal, read_relative
 
@@ -210,10 +211,7 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     that keeps one. A term of zeros that broadcasts to the `scores` (T5's cross-attention position
     bias) adds nothing. The fills come first, as the kernel fills after it adds the biases."""
     node = bias
-    while is_call(node, *_SAME_VALUES) or (
-        is_call(node, aten.slice.Tensor)
-        and tensor_val(node).shape == tensor_val(node.args[0]).shape
-    ):
+    while is_call(node, *_SAME_VALUES) or whole_slice(node):
         node = node.args[0]
     if _zeros(node) and broadcasts_to(tensor_val(node).shape, scores):
         return []

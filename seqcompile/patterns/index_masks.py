@@ -23,7 +23,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, tensor_val
+from seqcompile.fx_utils import arg, is_call, tensor_val, val
 from seqcompile.patterns.attention_masks import constant, is_causal
 
 aten = torch.ops.aten
@@ -249,7 +249,7 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
     length = lk if on_keys else lq
     offset = 0
     while not is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
-        if is_call(node, *_BROADCAST_VIEWS) or _int_cast(node):
+        if is_call(node, *_BROADCAST_VIEWS) or _int_cast(node) or whole_slice(node):
             node = node.args[0]
         elif is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
             step = _integer(node.args[1])
@@ -269,8 +269,13 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
     else:
         start, end = node.args[:2]
         step = arg(node, 2, "step", 1) if node.target is aten.arange.start_step else 1
-    start = _integer(start)
-    if start is None or step != 1 or not statically_known_true(end - start == length):
+    start, end = _integer(start), val(end) if isinstance(end, Node) else end  # a symbolic size
+    if (
+        start is None
+        or step != 1
+        or end is None
+        or not statically_known_true(end - start == length)
+    ):
         return None
     return Linear(q=int(not on_keys), kv=int(on_keys), constant=offset + start)
 
@@ -332,6 +337,21 @@ def _leading_ones(node: object) -> bool:
         return False
     ones = all(statically_known_true(n == 1) for t in (before, after) for n in t.shape[:-2])
     return ones and all(statically_known_true(before.shape[d] == after.shape[d]) for d in (-2, -1))
+
+
+def whole_slice(node: object) -> bool:
+    """A slice that keeps every element (`x[:, None]` at symbolic sizes slices the whole dim)."""
+    if not is_call(node, aten.slice.Tensor):
+        return False
+    before, after = tensor_val(node.args[0]), tensor_val(node)
+    return (
+        before is not None
+        and after is not None
+        and before.dim() == after.dim()
+        and all(
+            statically_known_true(a == b) for a, b in zip(before.shape, after.shape, strict=True)
+        )
+    )
 
 
 def _bool_cast(node: object) -> bool:

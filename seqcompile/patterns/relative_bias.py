@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import is_call, node_order, tensor_val
 from seqcompile.patterns.engine import FuseContext
-from seqcompile.patterns.index_masks import linear
+from seqcompile.patterns.index_masks import linear, whole_slice
 
 aten = torch.ops.aten
 
@@ -134,8 +134,7 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
             statically_known_true(after.shape[d + shift] == before.shape[d])
             for d in (inner.q, inner.kv)
         )
-        sliced_whole = is_call(node, aten.expand.default) or before.shape == after.shape
-        return dims if keeps and sliced_whole else None
+        return dims if keeps and (is_call(node, aten.expand.default) or whole_slice(node)) else None
     if not (is_call(node, *_PER_POSITION) or _pointwise(node)):
         return None
     dims = None

@@ -140,7 +140,7 @@ _WHISPER = dict(
     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
     suppress_tokens=None, begin_suppress_tokens=None,
 )  # fmt: skip
-_T5_V1_1 = dict(
+T5_V1_1 = dict(
     vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=FFN, num_layers=LAYERS,
     num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
     relative_attention_max_distance=16, dropout_rate=0.0, feed_forward_proj="gated-gelu",
@@ -273,7 +273,7 @@ ENCODER_DECODERS = [
     # T5LayerNorm is RMSNorm written out: one per sublayer (two per encoder layer, three per
     # decoder layer) and a final_layer_norm per stack; the gated-GELU feed-forward is the
     # activation site
-    Case("t5-v1.1", hf_model("T5ForConditionalGeneration", "T5Config", **_T5_V1_1),
+    Case("t5-v1.1", hf_model("T5ForConditionalGeneration", "T5Config", **T5_V1_1),
          t5_batch, own_loss, sites(3 * LAYERS, 5 * LAYERS + 2, 1), 2 * LAYERS, BOTH,
          LOGITS_RETURNED),
     # post-norm: layernorm_embedding per stack, two per encoder layer, three per decoder layer,

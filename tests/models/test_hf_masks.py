@@ -2,13 +2,26 @@
 Mistral's `kv_idx > q_idx - sliding_window`) and a padding mask: the kernel computes the causal
 triangle and the window from positions and reads only the padding, with either attention
 implementation, and a training step matches eager. Gemma 2 adds soft-capped scores and
-alternates windowed and global layers."""
+alternates windowed and global layers; T5's relative-position bias is read per diagonal."""
+
+import dataclasses
 
 import pytest
 import torch
 from checks import kernel_flags, saved_tensors
 
-from models.real_models import GQA, Case, causal_lm_batch, hf_model, own_loss, sites
+from models.real_models import (
+    CASES,
+    GQA,
+    LENGTH,
+    T5_V1_1,
+    TARGET_LENGTH,
+    Case,
+    causal_lm_batch,
+    hf_model,
+    own_loss,
+    sites,
+)
 from models.test_real_models import assert_gradients_match, step
 from seqcompile.report import collecting
 
@@ -42,17 +55,18 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     assert not score_sized_saves(case, implementation)
 
 
-def score_sized_saves(case: Case, implementation: str) -> list[torch.Size]:
-    """Shapes of what a compiled training step keeps for its backward that are as large as the
-    scores' last two dims (a mask or bias built at that size)."""
+def score_sized_saves(
+    case: Case, implementation: str, scores: tuple[tuple[int, int], ...] = ((LENGTH, LENGTH),)
+) -> list[torch.Size]:
+    """Shapes of what a compiled training step keeps for its backward whose last two dims are
+    those of some attention's `scores` (a mask or bias built at that size)."""
     torch.manual_seed(0)
     model = case.build(implementation).train()
     compiled, batch = torch.compile(model, backend="seqfast"), case.batch()
     tensors = [t for t in batch.values() if isinstance(t, torch.Tensor)]
     lasting = [*model.parameters(), *model.buffers(), *tensors]
     saved = saved_tensors(lambda: case.loss(compiled(**batch)), lasting)
-    length = batch["input_ids"].shape[-1]
-    return [t.shape for t in saved.values() if t.dim() >= 2 and t.shape[-2:] == (length, length)]
+    return [t.shape for t in saved.values() if t.dim() >= 2 and tuple(t.shape[-2:]) in scores]
 
 
 def test_the_window_changes_the_answer():
@@ -102,3 +116,29 @@ def test_a_packed_batch_compares_document_ids_in_the_kernel():
     assert keys and all(key["documents"] for key in keys), keys
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_t5_reads_its_relative_position_bias_per_diagonal(implementation):
+    """The bucketed table's value per key - query diagonal, for every self-attention (its
+    gradient reaching the table, checked against eager); padding (B, 1, 1, Lk) and the decoder's
+    causal triangle as elsewhere; the cross-attention's zero position bias is not read."""
+    (t5,) = [c for c in CASES if c.name == "t5-v1.1"]
+    # heads of 12 dims: no q, k or v shaped like the scores (10 and 8 positions)
+    build = hf_model("T5ForConditionalGeneration", "T5Config", **dict(T5_V1_1, d_kv=12))
+    case = dataclasses.replace(t5, build=build)
+    eager, expected, _ = step(case, implementation, compiled=False)
+    fast, loss, report = step(case, implementation, compiled=True)
+    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    assert {frozenset(k.items()) for k in keys} == {
+        frozenset(kernel_flags(**flags).items())
+        for flags in (
+            dict(mask=True, relative=True),  # encoder self-attention
+            dict(causal=True, relative=True),  # decoder self-attention
+            dict(mask=True),  # cross-attention
+        )
+    }, keys
+    torch.testing.assert_close(loss, expected)
+    assert_gradients_match(fast, eager)
+    encoder, decoder = (LENGTH, LENGTH), (TARGET_LENGTH, TARGET_LENGTH)
+    assert not score_sized_saves(case, implementation, (encoder, decoder, (TARGET_LENGTH, LENGTH)))

@@ -473,6 +473,36 @@ def test_alibi_by_distance_is_read_per_diagonal_with_the_slopes_gradient():
 
 
 @pytest.mark.parametrize(
+    "build", [lambda: T5Attention(False, sdpa=True), DistanceAlibi], ids=["t5-decoder", "alibi"]
+)
+def test_relative_biases_and_causal_masks_are_read_at_symbolic_sizes(build):
+    """With symbolic lengths (`arange(n)[:, None]` is then a slice of the whole arange, and the
+    diagonals' count a graph value) the causal mask is still computed and the bias read per
+    diagonal; one compile serves two lengths, gradients equal eager's."""
+    model = build()
+    compiled = torch.compile(model, backend="seqfast")
+    for length in (12, 20):
+        q, k, v = qkv(lq=length, lk=length, seed=length)
+        extra = [padding(lk=length)] if isinstance(model, T5Attention) else []
+        for t in (q, k, v, *extra):
+            torch._dynamo.mark_dynamic(t, t.dim() - 2 if t.dtype.is_floating_point else 3)
+        with collecting() as report:
+            out = compiled(q, k, v, *extra)
+        expected = model(q, k, v, *extra)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.sum(), [q, *model.parameters()])
+        torch.testing.assert_close(
+            grads, torch.autograd.grad(expected.sum(), [q, *model.parameters()])
+        )
+        if length == 12:
+            (line,) = report.sites
+            assert "bias by key - query position (1, 2, 1, 23)" in line, line
+            assert ("causal" in line) == isinstance(model, T5Attention), line
+        else:
+            assert not report.sites, "a second compile"
+
+
+@pytest.mark.parametrize(
     "bias",
     [
         lambda q_idx, kv_idx: (q_idx * kv_idx).float() / 50,
