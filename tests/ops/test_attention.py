@@ -94,7 +94,8 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     keep = None
     if p > 0:
         keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
-    by_name = dict(zip(["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"], doubles))
+    names = ["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"] * (rel_bias is not None)
+    by_name = dict(zip(names, doubles, strict=True))
     expected, s = composed(
         by_name["q"], by_name["k"], by_name["v"], by_name.get("bias"), mask, scale=scale,
         causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
