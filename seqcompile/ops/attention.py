@@ -4,25 +4,25 @@ schema, fake implementation, kernel launch, autograd; the reference lives in
 
     scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
     biased = scores + bias + rel_bias[..., 0, j - i + Lq - 1]     (query i, key j)
-    out = dropout(softmax(where(mask, biased, masked_value), causal, window, docs), p) @ v
+    out = dropout(softmax(where(mask, biased, masked_value), causal, prefix, window, docs), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
-h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 4-D
-(batch, heads, length, head_dim) views. `bias` (float, may require grad) and `mask` (bool, True
-where a query may attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero
-strides, so a padding mask (B, 1, 1, Lk) is read as one vector per batch. `causal` and `window`
-(query i sees keys j <= i, and i - j < window when window > 0) are computed from the positions,
-never read, and the kernels skip the key blocks they hide. `doc_q` (..., Lq, 1) and `doc_kv`
-(..., 1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel
-(a key of another document takes -inf, as above the causal diagonal), which skips the blocks where
-no query shares a document with a key. `rel_bias` (..., 1, Lq + Lk - 1), a bias that depends only on
+h reading key/value head h // (H / Hk), as SDPA's `enable_gqa`. The kernels see 4-D (batch, heads,
+length, head_dim) views. `bias` (float, may require grad) and `mask` (bool, True where a query may
+attend) broadcast to the scores (..., H, Lq, Lk) and are read through zero strides, so a padding
+mask (B, 1, 1, Lk) is read as one vector per batch. `causal` and `window` (query i sees keys j <=
+i, and i - j < window when window > 0) are computed from the positions, never read, and the kernels
+skip the key blocks they hide; `prefix` (..., 1, 1), integers, widens causal to a prefix LM's mask:
+every query also sees the keys before the prefix's length. `doc_q` (..., Lq, 1) and `doc_kv` (...,
+1, Lk), document ids of the queries and keys of packed sequences, are compared in the kernel (a key
+of another document takes -inf, as above the causal diagonal), which skips the blocks where no
+query shares a document with a key. `rel_bias` (..., 1, Lq + Lk - 1), a bias that depends only on
 the key's position less the query's (T5's relative-position buckets, ALiBi by distance), is read
 per diagonal, never spread to the scores' size, and its gradient is summed per diagonal in the
-kernel. q @ k^T runs in q's
-dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
-v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
-probabilities, and regenerates the dropout mask from the seed."""
+kernel. q @ k^T runs in q's dtype and probs @ v in v's, with float32 accumulation. Returns `(out,
+row_max, log_sum)`, out in v's dtype; the backward saves q, k, v, out and the two per-row
+statistics, never the probabilities, and regenerates the dropout mask from the seed."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
         softcap=call["softcap"] != 0,
         documents=call["doc_q"] is not None,
         relative=call["rel_bias"] is not None,
+        prefix=call["prefix"] is not None,
     )
 
 
@@ -128,7 +129,8 @@ def describe(call: Call) -> str | None:
     """The masks a call computes from positions or reads, and the key blocks its forward visits
     at the traced sizes with this device's tiles (None for plain attention)."""
     q, k = call.value("q"), call.value("k")
-    kinds = (["causal"] if call["causal"] else []) + (
+    causal = "causal" if call["prefix"] is None else "causal after a prefix (its keys seen by all)"
+    kinds = ([causal] if call["causal"] else []) + (
         [f"sliding window {call['window']}"] if call["window"] else []
     )
     if call["softcap"]:
@@ -149,7 +151,10 @@ def describe(call: Call) -> str | None:
     lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
     visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
     tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
-    return f"{', '.join(kinds)}; the forward visits {visited} of {total} {tile} blocks per head"
+    blocks = f"the forward visits {visited} of {total} {tile} blocks per head"
+    if call["prefix"] is not None:
+        blocks += ", and the prefix's"
+    return f"{', '.join(kinds)}; {blocks}"
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -203,21 +208,24 @@ def attention(
     doc_q: Tensor | None = None,
     doc_kv: Tensor | None = None,
     rel_bias: Tensor | None = None,
+    prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    layout = _checked_layout(q, k, v, bias, mask, seed, p, window, doc_q, doc_kv, rel_bias)
+    layout = _checked_layout(
+        q, k, v, bias, mask, seed, p, window, doc_q, doc_kv, rel_bias, prefix, causal
+    )
     masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
         seed, stream, p, scale, causal, masked_value, window, softcap,
-        _documents4(layout, doc_q, doc_kv), _relative4(layout, rel_bias),
+        _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), _small4(layout, prefix),
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
 def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-      doc_q=None, doc_kv=None, rel_bias=None):  # fmt: skip
+      doc_q=None, doc_kv=None, rel_bias=None, prefix=None):  # fmt: skip
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -242,13 +250,15 @@ def _documents4(layout: Layout, doc_q, doc_kv) -> tuple[Tensor, Tensor] | None:
     return None if doc_q is None else (layout.to4(doc_q), layout.to4(doc_kv))
 
 
-def _relative4(layout: Layout, rel_bias: Tensor | None) -> Tensor | None:
-    return None if rel_bias is None else layout.to4(rel_bias)
+def _small4(layout: Layout, t: Tensor | None) -> Tensor | None:
+    """A relative bias or a prefix as its 4-D view (None stays None)."""
+    return None if t is None else layout.to4(t)
 
 
 def _checked_layout(
-    q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None, rel_bias=None
-) -> Layout:
+    q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
+    causal=False,
+) -> Layout:  # fmt: skip
     """The operands' layout; errors a caller can act on, raised before any kernel runs."""
     layout = Layout.of(q, k, v)
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -287,6 +297,17 @@ def _checked_layout(
                 f" {diagonals} (one value per key - query diagonal); got {rel_bias.dtype}"
                 f" {tuple(rel_bias.shape)}"
             )
+    if prefix is not None:
+        one = (*scores[:-2], 1, 1)
+        if prefix.is_floating_point() or prefix.dtype == torch.bool or prefix.dim() < 2:
+            raise ValueError(f"seqfast::attention: prefix must be integers, got {prefix.dtype}")
+        if not broadcasts_to(prefix.shape, one):
+            raise ValueError(
+                f"seqfast::attention: prefix of shape {tuple(prefix.shape)} does not broadcast"
+                f" to {one} (one length per batch and head)"
+            )
+        if not causal or window:
+            raise ValueError("seqfast::attention: a prefix widens causal (without a window)")
     return layout
 
 
@@ -331,12 +352,12 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _common_args(
-    q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
+    q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
 ) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
     docs = documents or ()
-    pointers = [t for t in (bias, mask, *docs, rel_bias) if t is not None]
+    pointers = [t for t in (bias, mask, *docs, rel_bias, prefix) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
     strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
@@ -345,18 +366,20 @@ def _common_args(
     if rel_bias is not None:  # (b, h, diagonal)
         rel = _strides4(rel_bias, (*shape[:2], 1, rel_bias.shape[-1]))
         strides += [*rel[:2], rel[3]]
+    if prefix is not None:  # (b, h)
+        strides += [*_strides4(prefix, (*shape[:2], 1, 1))[:2]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
 
 
 def _as_called(
-    bias, mask, p, causal, window, softcap, documents, rel_bias, **more
+    bias, mask, p, causal, window, softcap, documents, rel_bias, prefix, **more
 ) -> dict[str, Any]:
     """The arguments `_flags` reads, by the op's names, from a launcher's."""
     doc_q = None if documents is None else documents[0]
     return dict(
         bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap, doc_q=doc_q,
-        rel_bias=rel_bias, **more,
+        rel_bias=rel_bias, prefix=prefix, **more,
     )  # fmt: skip
 
 
@@ -376,7 +399,7 @@ def _finite(value: float) -> float:
 
 def forward_kernels(
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-    documents=None, rel_bias=None,
+    documents=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     b, h, lq, d = q.shape
@@ -388,10 +411,10 @@ def forward_kernels(
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
     (spec,) = forward_kernels_of(
-        _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias)
+        _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, prefix)
     )
     pointers, scalars = _common_args(
-        q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
+        q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
     )
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
@@ -431,6 +454,7 @@ def attention_backward(
     doc_kv: Tensor | None = None,
     rel_bias: Tensor | None = None,
     rel_grad: bool = False,
+    prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias, drel) shaped as q, k, v, bias and rel_bias; dbias is empty
     unless `bias_grad`, drel unless `rel_grad`."""
@@ -441,7 +465,8 @@ def attention_backward(
     dq, dk, dv, dbias, drel = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        softcap, _documents4(layout, doc_q, doc_kv), _relative4(layout, rel_bias), rel_grad,
+        softcap, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), rel_grad,
+        _small4(layout, prefix),
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (
@@ -454,7 +479,7 @@ def attention_backward(
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
       masked_value, bias_grad, window=0, softcap=0.0, doc_q=None, doc_kv=None, rel_bias=None,
-      rel_grad=False):  # fmt: skip
+      rel_grad=False, prefix=None):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     drel = rel_bias.new_empty(rel_bias.shape) if rel_grad else reference.no_bias_grad(q, rel_bias)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, drel
@@ -463,6 +488,7 @@ def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, sca
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
     masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
+    prefix=None,
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
@@ -475,7 +501,7 @@ def backward_kernels(
     shape = _scores_shape(q, k)
     dbias_full = None
     if bias_grad:
-        skips = causal or window > 0 or documents is not None
+        skips = causal or window > 0 or documents is not None  # (a prefix is causal's)
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
     drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
@@ -492,10 +518,10 @@ def backward_kernels(
         )  # fmt: skip
         grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, **grads)
+            _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, prefix, **grads)
         )
         pointers, scalars = _common_args(
-            q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias
+            q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
         )
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
@@ -526,11 +552,12 @@ def backward_kernels(
 
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs[:13]
-    doc_q, doc_kv, rel_bias = inputs[13:]
+    doc_q, doc_kv, rel_bias, prefix = inputs[13:]
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias)
+    saved = (q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias, prefix)
+    ctx.save_for_backward(*saved)
     ctx.config = dict(
         stream=stream, p=p, scale=scale, causal=causal, masked_value=masked_value,
         window=window, softcap=softcap,
@@ -539,17 +566,19 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 16
-    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias = ctx.saved_tensors
+        return (None,) * 17
+    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias, prefix = (
+        ctx.saved_tensors
+    )
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     rel_grad = rel_bias is not None and ctx.needs_input_grad[15]
     dq, dk, dv, dbias, drel = torch.ops.seqfast.attention_backward(
         grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed,
         bias_grad=bias_grad, doc_q=doc_q, doc_kv=doc_kv, rel_bias=rel_bias, rel_grad=rel_grad,
-        **ctx.config,
+        prefix=prefix, **ctx.config,
     )  # fmt: skip
     grads = (dq, dk, dv, dbias if bias_grad else None)
-    return grads + (None,) * 11 + (drel if rel_grad else None,)
+    return grads + (None,) * 11 + (drel if rel_grad else None, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

@@ -5,11 +5,12 @@ It materializes the scores, so it is exact where the kernels are tiled, and defi
 the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
 `softcap` is not 0, plus `bias`, plus `rel_bias` (..., 1, Lq + Lk - 1) at key - query + Lq - 1 (a
 bias that depends only on the key's position less the query's); positions the boolean `mask`
-rejects take `masked_value`; positions above the diagonal (causal), keys `window` or more
-positions before the query (a sliding window, when `window` > 0) and keys of another document than
-the query's (with `documents`) take -inf; then softmax and dropout. A row whose every score is
--inf gives zero output and zero gradients (as torch's SDPA defines it); a row filled with a finite
-`masked_value` averages over all keys (as eager softmax does).
+rejects take `masked_value`; positions above the diagonal (causal) but for keys before the
+`prefix`, keys `window` or more positions before the query (a sliding window, when `window` > 0)
+and keys of another document than the query's (with `documents`) take -inf; then softmax and
+dropout. A row whose every score is -inf gives zero output and zero gradients (as torch's SDPA
+defines it); a row filled with a finite `masked_value` averages over all keys (as eager softmax
+does).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def scores(
     softcap: float = 0.0,
     documents: tuple[Tensor, Tensor] | None = None,
     rel_bias: Tensor | None = None,
+    prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """float32 scores after soft cap, bias, mask, causal and window, where each query may
     attend, and the soft cap's derivative (None without one)."""
@@ -101,6 +103,8 @@ def scores(
         s = s.masked_fill(~same, -math.inf)
         attend = attend & same
     keep = diagonal_keep(s.shape[-2], s.shape[-1], causal, window, q.device)
+    if prefix is not None:  # (B, H, 1, 1): keys before it are seen by every query
+        keep = keep | (torch.arange(s.shape[-1], device=q.device) < prefix)
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
         attend = attend & keep
@@ -135,10 +139,10 @@ def dropout_scale(
 
 def forward(
     q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
-    documents=None, rel_bias=None,
+    documents=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
     s, _, _ = scores(
-        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias
+        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias, prefix
     )
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
@@ -163,9 +167,10 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
     masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
+    prefix=None,
 ):  # fmt: skip
     s, attend, slope = scores(
-        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias
+        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias, prefix
     )
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)

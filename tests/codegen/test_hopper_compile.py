@@ -21,7 +21,7 @@ COMPILE = textwrap.dedent(
 
     INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream", "window"}
     FLOATS = {"eps", "p", "scale", "masked_value", "softcap"}
-    FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS"}
+    FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS", "DREL"}
     CONSTEXPRS = {"HEAD_DIM", "DOT_PRECISION"}
 
     def signature(fn, data):
@@ -33,7 +33,7 @@ COMPILE = textwrap.dedent(
                 sig[name] = "i32"
             elif name in FLOATS:
                 sig[name] = "fp32"
-            elif name in ("SEED", "DOC_Q", "DOC_KV"):
+            elif name in ("SEED", "DOC_Q", "DOC_KV", "PREFIX"):
                 sig[name] = "*i64"
             elif name == "MASK":
                 sig[name] = "*i1"
@@ -79,7 +79,8 @@ ATTENTION = textwrap.dedent(
                     DOT_PRECISION=precision)
 
     def kernel_flags(**on):
-        names = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents")
+        names = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents",
+                 "relative", "prefix")
         return {name: on.get(name, False) for name in names}
 
     variants = [
@@ -87,12 +88,14 @@ ATTENTION = textwrap.dedent(
         kernel_flags(bias=True, mask=True, dropout=True, causal=True, window=True),
         kernel_flags(bias=True, dropout=True, softcap=True, documents=True),
         kernel_flags(mask=True, causal=True, window=True, documents=True),
+        kernel_flags(mask=True, causal=True, prefix=True, relative=True, softcap=True),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
-    for flags, (data, head_dim, precision) in zip(variants, cases + cases[:1]):
+    for flags, (data, head_dim, precision) in zip(variants, cases + cases[:2]):
         constexprs = tiles(head_dim, precision)
         compile(attention.forward_spec(**flags), data, constexprs)
-        for spec in attention.backward_specs(bias_grad=flags["bias"], **flags):
+        grads = dict(bias_grad=flags["bias"], rel_grad=flags["relative"])
+        for spec in attention.backward_specs(**grads, **flags):
             compile(spec, data, {**constexprs, "BLOCK_R": 16})
     # contiguous head dims, one key/value head per query head and the first dropout stream arrive
     # as the constant 1
@@ -189,7 +192,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 
 def test_attention_template_variants_compile_to_hopper_cubins():
-    assert compile_for_hopper(ATTENTION).count("ok ") == 4 * 4 + 3
+    assert compile_for_hopper(ATTENTION).count("ok ") == 5 * 4 + 3
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():

@@ -29,7 +29,8 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0, window=0, softcap=0.0, docs=None, rel_bias=None):  # fmt: skip
+             keep=None, p=0.0, window=0, softcap=0.0, docs=None, rel_bias=None,
+             prefix=None):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
     soft cap, biases, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
     defines it."""
@@ -49,6 +50,8 @@ def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value
         s = torch.where(mask, s, masked_value)
     if causal:
         above = ~torch.ones(s.shape[-2:], dtype=torch.bool).tril()  # top-left: key j <= query i
+        if prefix is not None:  # keys before the prefix's length: seen by every query
+            above = above & (torch.arange(s.shape[-1]) >= prefix)
         s = s.masked_fill(above, -math.inf)
     if docs is not None:  # a key of another document than the query's
         s = s.masked_fill(docs[0] != docs[1], -math.inf)
@@ -78,7 +81,7 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
                     p=0.0, seed=20240917, stream=3, scale=None, window=0,
-                    softcap=0.0, docs=None, rel_bias=None):  # fmt: skip
+                    softcap=0.0, docs=None, rel_bias=None, prefix=None):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
     gradients (in the order q, k, v, bias, rel_bias)."""
@@ -87,7 +90,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
         q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap,
-        *(docs or (None, None)), rel_bias,
+        *(docs or (None, None)), rel_bias, prefix,
     )  # fmt: skip
     operands = [t for t in (q, k, v, bias, rel_bias) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
@@ -99,7 +102,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     expected, s = composed(
         by_name["q"], by_name["k"], by_name["v"], by_name.get("bias"), mask, scale=scale,
         causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
-        docs=docs, rel_bias=by_name.get("rel_bias"),
+        docs=docs, rel_bias=by_name.get("rel_bias"), prefix=prefix,
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -720,3 +723,29 @@ def test_relative_bias_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="one value per key - query diagonal"):
         attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, 0.0, None, None,
                   torch.randn(2, 1, 5))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# a prefix LM: causal, and every query sees the prefix
+
+
+@pytest.mark.parametrize(
+    "prefix", [[[0]], [[9]], [[45]], [[20], [3]]], ids=["empty", "short", "all", "per-batch"]
+)
+def test_prefix_lm(impl, prefix):
+    """Keys before the prefix's length are seen by every query, the rest causally; lengths
+    across block boundaries (and a prefix as long as the keys); with a padding mask and a bias."""
+    g = torch.Generator().manual_seed(17)
+    q, k, v = qkv(g, 2, 2, 45, 45, 16)
+    bias = randn(g, 1, 2, 45, 45)
+    mask = torch.rand(2, 1, 1, 45, generator=g) > 0.2
+    mask[..., 0] = True
+    lengths = torch.tensor(prefix).view(-1, 1, 1, 1)
+    run_and_compare(q, k, v, bias, mask, causal=True, prefix=lengths)
+
+
+def test_a_prefix_without_causal_is_refused():
+    q = k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="a prefix widens causal"):
+        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, 0.0, None, None,
+                  None, torch.tensor([[2]]))  # fmt: skip
