@@ -167,5 +167,15 @@ class AccumulatingCalls(TorchDispatchMode):
 
 def kernel_flags(**on: bool) -> dict[str, bool]:
     """The attention kernels' flags (their key), those named set."""
-    flags = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents", "relative")
+    flags = (
+        "bias",
+        "mask",
+        "dropout",
+        "causal",
+        "window",
+        "softcap",
+        "documents",
+        "relative",
+        "prefix",
+    )
     return {flag: on.get(flag, False) for flag in flags}

@@ -43,6 +43,7 @@ from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.index_masks import (
     WHERE,
     Diagonal,
+    Prefix,
     document_ids,
     narrower,
     split_diagonal,
@@ -74,6 +75,8 @@ class Site:
     """Boolean masks with whether True means keep (False: True means masked)."""
     masked_value: float | None = None
     causal: bool = False
+    prefix: Prefix | None = None
+    """With `causal`, a prefix LM's: every query also sees the keys before the prefix."""
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
     softcap: float = 0.0
@@ -117,9 +120,7 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
         if mask_val.dtype == torch.bool:
             scores = (tensor_val(q).shape[-2], tensor_val(k).shape[-2])
             diagonal, rest = split_diagonal(attn_mask, True, scores)
-            site.causal = site.causal or diagonal.causal
-            site.window = diagonal.window
-            site.keep += rest
+            site.keep += rest + _take_diagonal(site, diagonal)
             site.masked_value = -math.inf
         else:  # added to the scaled scores: its terms read as a written-out bias's
             lk = tensor_val(k).shape[-2]
@@ -371,6 +372,25 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     return applied
 
 
+def _take_diagonal(site: Site, diagonal: Diagonal) -> list[tuple[Node, bool]]:
+    """Fold what the kernel computes of a mask (causal, a prefix, a window) into the site's; the
+    mask factors it cannot combine with what the site has (a second prefix, a prefix beside a
+    window) come back, to be read as masks."""
+    back = []
+    if diagonal.causal and diagonal.prefix is None:  # plain causal hides what a prefix adds
+        site.causal, site.prefix = True, None
+    elif diagonal.prefix is not None and not (site.causal and site.prefix is None):
+        if site.prefix is None:
+            site.causal, site.prefix = True, diagonal.prefix
+        else:
+            back.append((diagonal.prefix.factor, diagonal.prefix.keeps))
+    site.window = narrower(site.window, diagonal.window)
+    if site.window and site.prefix is not None:
+        back.append((site.prefix.factor, site.prefix.keeps))
+        site.causal, site.prefix = False, None
+    return back
+
+
 def _same_batch(a: Node, b: Node) -> bool:
     """Provably the same batch dimensions (all but the last two)."""
     x, y = tensor_val(a).shape[:-2], tensor_val(b).shape[:-2]
@@ -416,9 +436,11 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
                 if value <= CAUSAL_FILL
                 else (Diagonal(), [(mask, keeps)])
             )
+            if diagonal.prefix is not None and not _same_batch(frame, softmax):
+                rest.append((diagonal.prefix.factor, diagonal.prefix.keeps))  # its own batch dims
+                diagonal = dataclasses.replace(diagonal, causal=False, prefix=None)
             if diagonal.causal or diagonal.window:
-                site.causal = site.causal or diagonal.causal
-                site.window = narrower(site.window, diagonal.window)
+                rest += _take_diagonal(site, diagonal)
                 causal_fills.add(value)
             for factor, factor_keeps in rest:
                 site.keep.append((factor, factor_keeps))
@@ -474,7 +496,8 @@ def _check(site: Site) -> Reject | None:
         return Reject("{}", refused)
     scores = layout.scores_shape(q, k)
     documents = list(site.documents or ())
-    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep] + documents:
+    lengths = [site.prefix.length] if site.prefix is not None and site.prefix.length else []
+    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep] + documents + lengths:
         shape = tensor_val(node).shape
         frame = site.frames.get(node)
         where = scores if frame is None else (*tensor_val(frame).shape[:-2], *scores[-2:])
@@ -560,6 +583,18 @@ def _relative_bias(ctx: FuseContext, site: Site) -> Node | None:
     return total
 
 
+def _prefix_length(ctx: FuseContext, site: Site, device: torch.device) -> Node | None:
+    """The prefix's length as the op takes it, an integer tensor (..., 1, 1)."""
+    prefix = site.prefix
+    if prefix is None:
+        return None
+    if prefix.length is None:
+        return ctx.call(aten.full.default, [1, 1], prefix.offset, dtype=torch.int64, device=device)
+    if prefix.offset:
+        return ctx.call(aten.add.Tensor, prefix.length, prefix.offset)
+    return prefix.length
+
+
 def _take_documents(site: Site) -> None:
     """A mask factor comparing query with key document ids goes to the kernel as the ids, where
     the masks fill at most `CAUSAL_FILL` (the kernel fills -inf for another document's keys)."""
@@ -604,6 +639,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 doc_q=site.documents[0] if site.documents else None,
                 doc_kv=site.documents[1] if site.documents else None,
                 rel_bias=_relative_bias(ctx, site),
+                prefix=_prefix_length(ctx, site, out_val.device),
             )
             out = insert_getitem(graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)

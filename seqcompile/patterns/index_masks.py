@@ -7,7 +7,9 @@ A mask is split into its factors (the masks whose conjunction keeps a score). A 
 compares key with query positions (or their difference with a constant) is read as a half-plane
 of the scores, `kv - q <= d` or `kv - q >= d`: `kv - q <= 0` is the causal triangle and
 `kv - q >= 1 - w` a sliding window of w keys (Mistral's `kv_idx > q_idx - w`), which the kernel
-computes, skipping the blocks they hide. A factor comparing ids along the queries with ids along
+computes, skipping the blocks they hide. A factor that keeps the causal triangle or the keys before
+a length (`(kv_idx <= q_idx) | (kv_idx < P)`, P a constant or a length per batch) is a prefix LM's
+mask, causal widened by the prefix. A factor comparing ids along the queries with ids along
 the keys is a packed batch's document mask, which the kernel compares from the ids. A test of a
 float mask made from a boolean one (`where(m, 0, finfo.min).to(bool)`) is read as that mask.
 """
@@ -76,13 +78,27 @@ class HalfPlane:
         return HalfPlane(not self.upper, self.bound + 1 if self.upper else self.bound - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """Keys before `length + offset` (`length` an integer tensor constant along the positions, or
+    None for 0) seen by every query, beside those the causal triangle leaves; `factor` and
+    `keeps` are the mask factor it was read from."""
+
+    length: Node | None
+    offset: int
+    factor: Node
+    keeps: bool
+
+
 @dataclasses.dataclass
 class Diagonal:
     """What the kernel computes from positions instead of reading: the causal triangle (query i
-    sees keys j <= i) and a sliding window (i - j < window; 0: none)."""
+    sees keys j <= i), widened by a prefix when `prefix` is set, and a sliding window
+    (i - j < window; 0: none)."""
 
     causal: bool = False
     window: int = 0
+    prefix: Prefix | None = None
 
     def add(self, plane: HalfPlane) -> bool:
         """Take `plane` in, where the kernel can compute it."""
@@ -106,9 +122,13 @@ def split_diagonal(
     """The causal triangle and sliding window among `mask`'s factors (for the shape `scores`,
     its last two dims: `tril` of ones, `kv_idx <= q_idx`, `kv_idx > q_idx - w`), and the other
     factors, less those that keep every score."""
-    diagonal, rest = Diagonal(), []
+    diagonal, rest, prefixes = Diagonal(), [], []
     for factor, factor_keeps in factors(mask, keeps):
         if keeps_all(factor, factor_keeps, scores[-2], scores[-1]):
+            continue
+        prefix = prefix_of(factor, factor_keeps, scores)
+        if prefix is not None:
+            prefixes.append(prefix)
             continue
         plane = half_plane(factor, factor_keeps, scores[-2], scores[-1])
         if plane is not None and diagonal.add(plane):
@@ -117,7 +137,57 @@ def split_diagonal(
             diagonal.causal = True
         else:
             rest.append((factor, factor_keeps))
+    if prefixes and not diagonal.causal:  # (with causal, what a prefix adds is hidden anyway)
+        if not diagonal.window:  # the kernel widens causal by one prefix, without a window
+            diagonal.causal, diagonal.prefix = True, prefixes.pop()
+        rest += [(p.factor, p.keeps) for p in prefixes]
     return diagonal, rest
+
+
+def prefix_of(factor: Node, keeps: bool, scores: Sequence[Any]) -> Prefix | None:
+    """The prefix where `factor` keeps the causal triangle or the keys before a length:
+    `(kv_idx <= q_idx) | (kv_idx < P)` (or, True masking, `(kv_idx > q_idx) & (kv_idx >= P)`)."""
+    node = factor
+    while is_call(node, aten.expand.default, aten.alias.default) or _leading_ones(node):
+        node = node.args[0]
+    if not is_call(node, *(_OR if keeps else _AND)) or not all(_is_bool(a) for a in node.args[:2]):
+        return None
+    for a, b in (node.args[:2], node.args[1::-1]):
+        plane = half_plane(a, keeps, scores[-2], scores[-1])
+        causal = (plane is not None and plane.causal) or is_causal(a, keeps, scores)
+        length = _key_bound(b, keeps, scores[-2], scores[-1]) if causal else None
+        if length is not None:
+            return Prefix(*length, factor, keeps)
+    return None
+
+
+def _key_bound(node: object, keeps: bool, lq: object, lk: object) -> tuple[Node | None, int] | None:
+    """(P, offset) where `node` keeps the keys before P + offset: `kv_idx < P`, `kv_idx <= P`,
+    `P > kv_idx` (True masking: `kv_idx >= P`), P an integer constant or an integer tensor of
+    size 1 along the positions."""
+    if not is_call(node, *_COMPARISONS) or len(node.args) != 2:
+        return None
+    swap, strict = _COMPARISONS[node.target]
+    low, high = node.args[::-1] if swap else node.args  # kept where low < high (or <=)
+    if not keeps:  # kept where not (low < high): high <= low
+        low, high, strict = high, low, not strict
+    key = linear(low, lq, lk)
+    if key is None or (key.q, key.kv) != (0, 1):
+        return None
+    offset = -key.constant + (0 if strict else 1)  # kv < P - c (+ 1 when <=)
+    number = _integer(high)
+    if number is not None:
+        return None, number + offset
+    value = tensor_val(high)
+    if (
+        value is None
+        or value.dtype not in _POSITION_DTYPES
+        or value.dim() < 2
+        or not all(statically_known_true(n == 1) for n in value.shape[-2:])
+        or linear(high, lq, lk) is not None
+    ):
+        return None
+    return high, offset
 
 
 def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:

@@ -537,6 +537,72 @@ def test_a_bias_of_zeros_and_a_comparison_that_keeps_every_query_are_dropped():
     assert f"reads a mask ({B}, 1, 1, {LK})" in line, line
 
 
+# ---------------------------------------------------------------------------------------------
+# prefix LM masks
+
+
+def prefix_lengths():
+    """Per-row prefix lengths of a batch of 20 tokens: one inside the first 16-key block, one
+    across it."""
+    return torch.tensor([5, 18])
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda q_idx, kv_idx, n: (kv_idx <= q_idx) | (kv_idx < 7),
+        lambda q_idx, kv_idx, n: (q_idx >= kv_idx) | (kv_idx <= 6),
+        lambda q_idx, kv_idx, n: (kv_idx <= q_idx) | (kv_idx < n[:, None, None, None]),
+        lambda q_idx, kv_idx, n: ~((kv_idx > q_idx) & (n.view(-1, 1, 1, 1) <= kv_idx)),
+    ],
+    ids=["constant", "constant_flipped", "per_row", "per_row_negated"],
+)
+def test_a_prefix_lm_mask_widens_causal_in_the_kernel(keep):
+    """Every query sees the prefix's keys and the rest causally: the kernel computes both, with
+    the padding read as (B, 1, 1, Lk)."""
+
+    def fn(q, k, v, lengths, pad):
+        q_idx, kv_idx = positions(q.shape[-2])
+        mask = keep(q_idx, kv_idx, lengths) & pad
+        return softmax_v(scores(q, k) + torch.where(mask, 0.0, MIN), v)
+
+    report = fused(fn, [*qkv(lq=20, lk=20), prefix_lengths(), padding(lk=20)])
+    assert forward_kernel_key(report) == kernel_flags(causal=True, prefix=True, mask=True)
+    (line,) = report.sites
+    assert "causal after a prefix" in line and f"reads a mask ({B}, 1, 1, 20)" in line, line
+
+
+def either(q_idx, kv_idx, length):
+    return (kv_idx <= q_idx) | (kv_idx < length)
+
+
+@pytest.mark.parametrize(
+    "keep, computed",
+    [
+        (lambda q_idx, kv_idx, n: either(q_idx, kv_idx, 7) & (q_idx - kv_idx < 4), ["window"]),
+        (
+            lambda q_idx, kv_idx, n: (
+                either(q_idx, kv_idx, 7) & either(q_idx, kv_idx, n[:, None, None, None])
+            ),
+            ["causal", "prefix"],
+        ),
+        (lambda q_idx, kv_idx, n: either(q_idx, kv_idx, 7) & (kv_idx <= q_idx), ["causal"]),
+    ],
+    ids=["beside_a_window", "two_prefixes", "beside_causal"],
+)
+def test_prefixes_the_kernel_cannot_combine_are_read_as_masks(keep, computed):
+    """Beside a window or another prefix, a prefix's factor is read as a mask (the window, the
+    other prefix computed); beside plain causal it adds nothing."""
+
+    def fn(q, k, v, lengths):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep(q_idx, kv_idx, lengths))
+
+    key = forward_kernel_key(fused(fn, [*qkv(lq=20, lk=20), prefix_lengths()]))
+    read = computed != ["causal"]
+    assert key == kernel_flags(mask=read, **dict.fromkeys(computed, True)), key
+
+
 def three_documents():
     """Document ids of a packed batch of 2 rows of 20 tokens: three documents, then two."""
     return torch.tensor([[0] * 6 + [1] * 9 + [2] * 5, [0] * 13 + [1] * 7])
@@ -614,12 +680,12 @@ def test_the_counted_blocks_and_pairs_are_those_causal_and_window_leave(lq, lk, 
     [
         lambda q_idx, kv_idx: kv_idx <= q_idx + 1,
         lambda q_idx, kv_idx: kv_idx - 2 * q_idx <= 0,
-        lambda q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 3),
+        lambda q_idx, kv_idx: (kv_idx <= q_idx + 1) | (kv_idx < 3),
         lambda q_idx, kv_idx: kv_idx > q_idx,
         # uint8 differences wrap around: a future key is 255 or less, which the test keeps
         lambda q_idx, kv_idx: q_idx.to(torch.uint8) - kv_idx.to(torch.uint8) < 3,
     ],
-    ids=["shifted_diagonal", "scaled_difference", "or_prefix", "future_only", "uint8"],
+    ids=["shifted_diagonal", "scaled_difference", "shifted_or_prefix", "future_only", "uint8"],
 )
 def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
     assert key_where_positions_keep(keep) == kernel_flags(mask=True)
