@@ -13,5 +13,6 @@ python -m benchmarks.norm_kernels --output "$out/results.md" 2>&1 | tail -60
 python -m benchmarks.pointwise_kernels --output "$out/results.md" 2>&1 | tail -40
 python -m benchmarks.loss --output "$out/results.md" 2>&1 | tail -50
 python -m benchmarks.attention --output "$out/results.md" 2>&1 | tail -30
+python -m benchmarks.attention_mods --output "$out/results.md" 2>&1 | tail -30
 python -m benchmarks.train_step --output "$out/results.md" 2>&1 | tail -20
 python -m benchmarks.memory_budget --output "$out/results.md" 2>&1 | tail -20

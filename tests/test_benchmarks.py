@@ -27,6 +27,13 @@ def test_benchmark_quick_run_writes_a_table(module, tmp_path):
     assert "| eager |" in text and "| seqfast |" in text
 
 
+def test_the_score_modifications_benchmark_checks_every_executor_it_times(tmp_path):
+    text = quick_run("benchmarks.attention_mods", tmp_path)
+    for mod in ("causal", "window", "softcap", "alibi", "t5 buckets", "documents"):
+        assert f"| 64 | {mod} | seqfast |" in text and f"| 64 | {mod} | flex |" in text
+    assert "rel err" in text and "MISMATCH" not in text and "FAILED" not in text
+
+
 def test_the_plans_benchmark_compares_both_planners_without_a_device(tmp_path):
     text = quick_run("benchmarks.memory_plans", tmp_path)
     assert "device: none: compiled on the meta device" in text
