@@ -142,3 +142,20 @@ def test_t5_reads_its_relative_position_bias_per_diagonal(implementation):
     assert_gradients_match(fast, eager)
     encoder, decoder = (LENGTH, LENGTH), (TARGET_LENGTH, TARGET_LENGTH)
     assert not score_sized_saves(case, implementation, (encoder, decoder, (TARGET_LENGTH, LENGTH)))
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
+def test_alibi_models_read_their_slopes_per_key(name):
+    """BLOOM, MPT and Falcon add ALiBi as slopes times key positions: the kernel reads it as one
+    value per key and head, and the padding per key, and computes causal."""
+    (case,) = [c for c in CASES if c.name == name]
+    eager, expected, _ = step(case, "eager", compiled=False)
+    fast, loss, report = step(case, "eager", compiled=True)
+    assert len(report.sites) == case.sites["attention"], report.sites
+    for line in report.sites:
+        what = line.split(": ", 2)[2]
+        assert what.startswith("causal, reads a mask (2, 1, 1, 10), reads a bias ("), line
+        assert f", {LENGTH}, {LENGTH})" not in what, line
+    torch.testing.assert_close(loss, expected)
+    assert_gradients_match(fast, eager)
+    assert not score_sized_saves(case, "eager")
