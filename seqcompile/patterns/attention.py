@@ -154,6 +154,11 @@ Link = tuple
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
 exp(-1e4) is 0 in float32, so hidden keys add nothing to a row's softmax either way."""
+ABSORBING_FILL = -1e30
+"""A bias filled with at most this value where a mask rejects (`where(mask, bias, finfo.min)`) is
+read as the bias and the mask: any score plus bias below 1e13 in size plus this fill rounds to the
+fill in float32, as the kernel fills. A less negative fill keeps the bias whole, since the fill
+plus a large negative bias (padding's) can be what a row's softmax sees."""
 
 
 def _batch_reshape(node: Node) -> bool:
@@ -235,7 +240,7 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
                 continue
             if constant(term) == 0.0:
                 return [("mask", cond, keeps, fill)]
-            if isinstance(term, Node) and tensor_val(term).is_floating_point():
+            if fill <= ABSORBING_FILL and isinstance(term, Node) and _is_float(term):
                 return [("mask", cond, keeps, fill), *_bias_links(term, sign, scores)]
     return [("bias", bias, sign)]
 
@@ -247,6 +252,11 @@ _SAME_VALUES = (
     aten.clone.default,
 )
 _FILL_ARGUMENT = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+
+
+def _is_float(node: Node) -> bool:
+    value = tensor_val(node)
+    return value is not None and value.is_floating_point()
 
 
 def _zeros(node: Node) -> bool:
@@ -497,7 +507,8 @@ def _check(site: Site) -> Reject | None:
     scores = layout.scores_shape(q, k)
     documents = list(site.documents or ())
     lengths = [site.prefix.length] if site.prefix is not None and site.prefix.length else []
-    for node in [b for b, _ in site.biases] + [m for m, _ in site.keep] + documents + lengths:
+    biases = [b for b, _ in site.biases] + [r.bias for r, _ in site.relative]
+    for node in biases + [m for m, _ in site.keep] + documents + lengths:
         shape = tensor_val(node).shape
         frame = site.frames.get(node)
         where = scores if frame is None else (*tensor_val(frame).shape[:-2], *scores[-2:])
@@ -577,6 +588,8 @@ def _relative_bias(ctx: FuseContext, site: Site) -> Node | None:
     total = None
     for relative, factor in site.relative:
         values = per_diagonal(ctx, relative)
+        if not tensor_val(values).is_floating_point():  # integers add as float32, as promoted
+            values = ctx.call(aten.to.dtype, values, torch.float32)
         if factor != 1.0:
             values = ctx.call(aten.mul.Tensor, values, factor)
         total = values if total is None else ctx.call(aten.add.Tensor, total, values)

@@ -19,7 +19,16 @@ SHAPE_VIEWS = (aten.view.default, aten.reshape.default, aten.unsqueeze.default, 
 
 
 def constant(node: object) -> float | None:
-    """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`)."""
+    """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`), at the
+    value it holds in its dtype (casts applied: 300 cast to uint8 is 44, 2.5 to int64 is 2)."""
+    value = _constant_before_dtype(node)
+    fake = tensor_val(node)
+    if value is None or fake is None:
+        return value
+    return float(torch.tensor(value, dtype=torch.float64).to(fake.dtype).item())
+
+
+def _constant_before_dtype(node: object) -> float | None:
     if isinstance(node, bool):
         return None
     if isinstance(node, int | float):

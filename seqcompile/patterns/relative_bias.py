@@ -5,11 +5,11 @@ so the fused op reads one value per diagonal, (..., 1, Lq + Lk - 1), made by run
 graph on the diagonals' offsets (an `arange` of Lq + Lk - 1) in place of the (Lq, Lk) matrix of
 differences. Autograd carries its gradient on to the table or the slopes as before.
 
-A bias is read so where it depends on positions only through differences of key and query
-positions (`index_masks.linear`), and every op from there to the bias acts position by position:
-pointwise ops, `embedding` or indexing with the differences as the index, and permutes, transposes,
-size-1 views and broadcasts that keep the two position dims; their other operands are constant
-along those dims. Anything else keeps the bias tensor.
+A bias is read so where it depends on positions only through differences of key and query positions
+(`index_masks.linear`), and every op from there to the bias acts position by position: pointwise
+ops, `embedding` (without `scale_grad_by_freq`) or indexing with the differences as the index, and
+permutes, transposes, size-1 views and broadcasts that keep the two position dims; their other
+operands are constant along those dims. Anything else keeps the bias tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import is_call, node_order, tensor_val
+from seqcompile.fx_utils import arg, is_call, node_order, tensor_val
 from seqcompile.patterns.engine import FuseContext
 from seqcompile.patterns.index_masks import linear, whole_slice
 
@@ -112,6 +112,8 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
     rank = tensor_val(node).dim()
     if is_call(node, aten.embedding.default):
         weight, index = node.args[:2]
+        if arg(node, 3, "scale_grad_by_freq"):  # its counts are per score, not per diagonal
+            return None
         if _dims(weight, lq, lk, found, positional) is not _FREE:
             return None
         return _dims(index, lq, lk, found, positional)

@@ -521,6 +521,60 @@ def test_a_bias_from_positions_that_is_not_per_diagonal_is_read_as_a_bias(bias):
     assert forward_kernel_key(report) == kernel_flags(bias=True)
 
 
+def test_integer_differences_added_to_the_scores_are_read_per_diagonal():
+    """An integer bias adds as float32 (type promotion), per diagonal or not."""
+
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(scores(q, k) + (kv_idx - q_idx), v)
+
+    assert forward_kernel_key(fused(fn, qkv(lq=10, lk=10))) == kernel_flags(relative=True)
+
+
+def test_an_offset_cast_to_a_narrow_integer_is_read_at_its_cast_value():
+    """300 as uint8 is 44: the diagonals' offsets take the value eager adds."""
+
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        offset = torch.tensor(300.0).to(torch.uint8)
+        return softmax_v(scores(q, k) + ((kv_idx - q_idx + offset).float() * 0.05).sin(), v)
+
+    assert forward_kernel_key(fused(fn, qkv(lq=10, lk=10))) == kernel_flags(relative=True)
+
+
+def test_a_relative_table_whose_gradient_scales_by_frequency_is_read_whole():
+    """`scale_grad_by_freq` divides each row's gradient by its count among the scores' indices,
+    which the diagonals do not have: the bias is read at the scores' size."""
+
+    class Frequencies(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(8, H, scale_grad_by_freq=True)
+
+        def forward(self, q, k, v):
+            relative = torch.arange(k.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]
+            bias = self.table(relative.clamp(-4, 3) + 4).permute(2, 0, 1)
+            return softmax_v(scores(q, k) + bias, v)
+
+    report = fused(Frequencies(), qkv(lq=10, lk=10))
+    assert forward_kernel_key(report) == kernel_flags(bias=True)
+
+
+def test_a_bias_filled_less_than_absorbingly_is_read_whole():
+    """where(causal, padding bias, -1e4) with left padding: rows whose every causal key is
+    padded see the filled keys at -1e4 beside the padded ones at -1e4, so the bias is read whole
+    (split into mask and bias, the kernel would fill exactly -1e4 there)."""
+
+    def fn(q, k, v, padding_bias):
+        q_idx, kv_idx = positions(q.shape[-2])
+        return softmax_v(scores(q, k) + torch.where(kv_idx <= q_idx, padding_bias, -1e4), v)
+
+    padding_bias = torch.zeros(B, 1, 1, 6)
+    padding_bias[0, ..., :2] = -1e4
+    report = fused(fn, [*qkv(lq=6, lk=6), padding_bias])
+    assert forward_kernel_key(report) == kernel_flags(bias=True)
+
+
 def test_a_bias_of_zeros_and_a_comparison_that_keeps_every_query_are_dropped():
     """T5's cross-attention adds a zero position bias; Hugging Face's bidirectional mask tests
     `q_idx >= 0`: neither is read, the padding stays (B, 1, 1, Lk)."""
