@@ -4,14 +4,17 @@
 and other masks (a padding mask gathered per key) combined with `&`.
 
 A mask is split into its factors (the masks whose conjunction keeps a score). A factor that
-compares key with query positions (or their difference with a constant) is read as a half-plane
-of the scores, `kv - q <= d` or `kv - q >= d`: `kv - q <= 0` is the causal triangle and
-`kv - q >= 1 - w` a sliding window of w keys (Mistral's `kv_idx > q_idx - w`), which the kernel
-computes, skipping the blocks they hide. A factor that keeps the causal triangle or the keys before
-a length (`(kv_idx <= q_idx) | (kv_idx < P)`, P a constant or a length per batch) is a prefix LM's
-mask, causal widened by the prefix. A factor comparing ids along the queries with ids along
-the keys is a packed batch's document mask, which the kernel compares from the ids. A test of a
-float mask made from a boolean one (`where(m, 0, finfo.min).to(bool)`) is read as that mask.
+compares key with query positions (or their difference with a constant) is read as a half-plane of
+the scores, `kv - q <= d` or `kv - q >= d`: `kv - q <= 0` is the causal triangle and `kv - q >= 1 -
+w` a sliding window of w keys (Mistral's `kv_idx > q_idx - w`), which the kernel computes, skipping
+the blocks they hide. A factor that keeps the causal triangle or the keys before a length (`(kv_idx
+<= q_idx) | (kv_idx < P)`, P a constant or a length per batch) is a prefix LM's mask, causal
+widened by the prefix. A factor comparing ids along the queries with ids along the keys is a packed
+batch's document mask, which the kernel compares from the ids. Where those ids are the runs of
+consecutive position ids (`cumsum(diff(position_ids) != 1)`, as Hugging Face derives them for
+packed rows), position ids gathered at the query and key compare within a document as the query and
+key indices do, so `pos[b, kv_idx] <= pos[b, q_idx]` is causal too. A test of a float mask made
+from a boolean one (`where(m, 0, finfo.min).to(bool)`) is read as that mask.
 """
 
 from __future__ import annotations
@@ -123,14 +126,16 @@ def split_diagonal(
     its last two dims: `tril` of ones, `kv_idx <= q_idx`, `kv_idx > q_idx - w`), and the other
     factors, less those that keep every score."""
     diagonal, rest, prefixes = Diagonal(), [], []
-    for factor, factor_keeps in factors(mask, keeps):
+    split = factors(mask, keeps)
+    runs = _position_runs(split)
+    for factor, factor_keeps in split:
         if keeps_all(factor, factor_keeps, scores[-2], scores[-1]):
             continue
         prefix = prefix_of(factor, factor_keeps, scores)
         if prefix is not None:
             prefixes.append(prefix)
             continue
-        plane = half_plane(factor, factor_keeps, scores[-2], scores[-1])
+        plane = half_plane(factor, factor_keeps, scores[-2], scores[-1], runs)
         if plane is not None and diagonal.add(plane):
             continue
         if is_causal(factor, factor_keeps, scores):
@@ -190,6 +195,75 @@ def _key_bound(node: object, keeps: bool, lq: object, lk: object) -> tuple[Node 
     return high, offset
 
 
+Runs = dict[Node, Node]
+"""Position ids (B, L) that run consecutively within each document of a mask's document factor,
+with the batch index both are gathered at."""
+
+
+def _position_runs(split: list[tuple[Node, bool]]) -> Runs:
+    """The position ids whose runs are the ids of a document factor among `split`: the factor
+    compares `ids[b, q_idx]` with `ids[b, kv_idx]`, ids = `cumsum(diff(pos) != 1, -1)`."""
+    runs = {}
+    for factor, keeps in split:
+        ids = document_ids(factor, keeps)
+        gathers = [_gather(side) for side in ids] if ids is not None else [None]
+        if None in gathers or len({(src, b) for src, b, _ in gathers}) != 1:
+            continue
+        source, batch, _ = gathers[0]
+        counted = _peeled(source)
+        if not is_call(counted, aten.cumsum.default) or _not_last(counted, counted.args[1]):
+            continue
+        changed = _peeled(counted.args[0])
+        if not (is_call(changed, aten.ne.Scalar) and _integer(changed.args[1]) == 1):
+            continue
+        diff = _peeled(changed.args[0])
+        if (
+            is_call(diff, aten.diff.default)
+            and arg(diff, 1, "n", 1) == 1
+            and not _not_last(diff, arg(diff, 2, "dim", -1))
+            and arg(diff, 4, "append") is None
+            and arg(diff, 3, "prepend") is not None  # (one id per position)
+        ):
+            runs[_peeled(diff.args[0])] = batch
+    return runs
+
+
+def _gathered_position(node: object, runs: Runs, lq: object, lk: object) -> Linear | None:
+    """The query or key index where `node` gathers position ids that run within documents at
+    that index (`pos[b, q_idx]`), at the batch index their documents are gathered at."""
+    gathered = _gather(node)
+    if gathered is None:
+        return None
+    source, batch, at = gathered
+    if runs.get(_peeled(source)) is not batch:
+        return None
+    index = position(at, lq, lk)
+    return index if index is not None and index.constant == 0 else None
+
+
+def _gather(node: object) -> tuple[Node, Node, Node] | None:
+    """(source, batch index, position index) of `source[b, idx]` on a (B, L) source."""
+    if not is_call(node, aten.index.Tensor):
+        return None
+    source, indices = node.args[:2]
+    value = tensor_val(source)
+    if value is None or value.dim() != 2 or len(indices) != 2 or None in indices:
+        return None
+    return source, indices[0], indices[1]
+
+
+def _peeled(node: object) -> object:
+    while is_call(node, aten.expand.default, aten.alias.default) or _int_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _not_last(node: Node, dim: object) -> bool:
+    """Whether `dim` is another than the last of `node`'s operand."""
+    rank = tensor_val(node.args[0]).dim()
+    return not isinstance(dim, int) or dim % rank != rank - 1
+
+
 def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:
     """(query ids, key ids) where `factor` keeps the scores whose query and key ids are equal:
     `eq(a, b)` (or `ne` where True masks) of integer ids, one operand constant along the keys,
@@ -239,11 +313,13 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
     return [(node, keeps)]
 
 
-def half_plane(factor: Node, keeps: bool, lq: object, lk: object) -> HalfPlane | None:
+def half_plane(
+    factor: Node, keeps: bool, lq: object, lk: object, runs: Runs | None = None
+) -> HalfPlane | None:
     """The scores `factor` keeps, where it compares a difference of key and query positions
-    with a constant (`kv_idx <= q_idx`, `kv_idx > q_idx - w`, `q_idx - kv_idx < w`); None
-    otherwise."""
-    compared = _comparison(factor, lq, lk)
+    with a constant (`kv_idx <= q_idx`, `kv_idx > q_idx - w`, `q_idx - kv_idx < w`; with `runs`,
+    position ids gathered at them too); None otherwise."""
+    compared = _comparison(factor, lq, lk, runs)
     if compared is None:
         return None
     form, limit = compared
@@ -276,29 +352,33 @@ def keeps_all(factor: Node, keeps: bool, lq: object, lk: object) -> bool:
     return statically_known_true(form.constant + reach > limit) and form.constant > limit
 
 
-def _comparison(factor: Node, lq: object, lk: object) -> tuple[Linear, int] | None:
+def _comparison(
+    factor: Node, lq: object, lk: object, runs: Runs | None = None
+) -> tuple[Linear, int] | None:
     """(form, limit) where `factor` compares linear forms of positions as `form <= limit`."""
     if not is_call(factor, *_COMPARISONS) or len(factor.args) != 2:
         return None
     swap, strict = _COMPARISONS[factor.target]
     a, b = factor.args[::-1] if swap else factor.args
-    la, lb = linear(a, lq, lk), linear(b, lq, lk)
+    la, lb = linear(a, lq, lk, runs), linear(b, lq, lk, runs)
     if la is None or lb is None:
         return None
     return la - lb, -1 if strict else 0  # integer positions: a < b is a - b <= -1
 
 
-def linear(node: object, lq: object, lk: object) -> Linear | None:
+def linear(node: object, lq: object, lk: object, runs: Runs | None = None) -> Linear | None:
     """`node` as a linear form of the query and key positions: a constant, positions, or sums
     and differences of them; None for anything else."""
     number = _integer(node)
     if number is not None:
         return Linear(constant=number)
     at = position(node, lq, lk)
+    if at is None and runs:
+        at = _gathered_position(node, runs, lq, lk)
     if at is not None:
         return at
     if is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2 and not node.kwargs:
-        a, b = (linear(x, lq, lk) for x in node.args)
+        a, b = (linear(x, lq, lk, runs) for x in node.args)
         if a is None or b is None:
             return None
         return a + b if node.target is aten.add.Tensor else a - b

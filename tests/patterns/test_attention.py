@@ -685,6 +685,35 @@ def test_packed_documents_are_compared_in_the_kernel(keep):
     assert forward_kernel_key(report) == kernel_flags(causal=True, documents=True)
 
 
+def runs_of(position_ids):
+    """Document ids of packed rows as Hugging Face derives them: a new document wherever the
+    position ids do not go up by one."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@pytest.mark.parametrize("derived", [True, False], ids=["runs_of_the_positions", "other_ids"])
+def test_position_ids_compared_within_their_runs_are_causal(derived):
+    """`pos[b, kv] <= pos[b, q]` beside `doc[b, q] == doc[b, kv]`: where the documents are the
+    runs of the position ids, the comparison is the causal triangle; with other ids it is data."""
+
+    def fn(q, k, v, pos, other):
+        b_idx = torch.arange(q.shape[0])[:, None, None, None]
+        q_idx, kv_idx = positions(q.shape[-2])
+        doc = runs_of(pos) if derived else other
+        mask = (doc[b_idx, q_idx] == doc[b_idx, kv_idx]) & (pos[b_idx, kv_idx] <= pos[b_idx, q_idx])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    pos = torch.tensor([list(range(6)) + list(range(9)) + list(range(5)), list(range(20))])
+    report = fused(fn, [*qkv(lq=20, lk=20), pos, three_documents()])
+    expected = (
+        kernel_flags(causal=True, documents=True)
+        if derived
+        else kernel_flags(mask=True, documents=True)
+    )
+    assert forward_kernel_key(report) == expected
+
+
 def test_a_comparison_of_ids_along_one_axis_is_read_as_a_mask():
     """Ids that vary along the keys on both sides are no query-to-key document test."""
 
