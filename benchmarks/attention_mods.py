@@ -8,8 +8,8 @@ Modifications, each at every length (tokens B * L and hidden H * D fixed): causa
 sliding window; causal with soft-capped scores (`cap * tanh(scores / cap)`); causal with ALiBi by
 distance (fixed slopes times key - query); T5's relative-position buckets from a learned table
 (bidirectional, the table's gradient included); causal over a packed batch of three documents per
-row. seqfast gets what its pattern would give the op: the causal, window, prefix and document
-arguments, the soft cap, a relative bias per diagonal (1, H, 1, 2L - 1).
+row. seqfast gets what its pattern would give the op: the causal, window and document arguments,
+the soft cap as a registered score modification, a relative bias per diagonal (1, H, 1, 2L - 1).
 
 FLOPs count the (query, key) pairs the mask leaves: forward 4 * D * H * pairs, forward + backward
 3.5x that, the same for every executor. Before an executor is timed its output and gradients are
@@ -31,6 +31,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 from benchmarks.common import emit, header, standard_setup, table, timed_ms
+from seqcompile.ops import score_mods
 
 Tensor = torch.Tensor
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -111,6 +112,10 @@ def make_inputs(b: int, h: int, length: int, d: int, dtype, device) -> Inputs:
     )  # fmt: skip
 
 
+def soft_cap(s: Tensor) -> Tensor:
+    return CAP * torch.tanh(s / CAP)
+
+
 def keep(mod: Mod, t: Inputs, b, h, q_idx, kv_idx):
     """Whether query q_idx sees key kv_idx (FlexAttention's mask_mod, broadcastable)."""
     seen = torch.ones_like(q_idx == kv_idx)
@@ -127,7 +132,7 @@ def modified(mod: Mod, t: Inputs, s, b, h, q_idx, kv_idx):
     """The scaled scores modified (FlexAttention's score_mod, broadcastable)."""
     length = t.q.shape[-2]
     if mod.softcap:
-        s = CAP * torch.tanh(s / CAP)
+        s = soft_cap(s)
     if mod.alibi:
         s = s + t.slopes[h] * (kv_idx - q_idx)
     if mod.t5:
@@ -145,11 +150,10 @@ def seqfast(mod: Mod, t: Inputs) -> Tensor:
     if mod.t5:
         rel = t.table[:, t.buckets].view(1, h, 1, -1)
     docs = (t.ids[:, None, :, None], t.ids[:, None, None, :]) if mod.documents else (None, None)
-    cap = CAP if mod.softcap else 0.0
-    scale = t.scale / CAP if mod.softcap else t.scale
+    cap = score_mods.register(soft_cap, f"{CAP:g} * tanh(s / {CAP:g})") if mod.softcap else ""
     window = t.window if mod.window else 0
     out, _, _ = torch.ops.seqfast.attention(
-        t.q, t.k, t.v, None, None, None, 0, 0.0, scale, mod.causal, -math.inf, window, cap, *docs,
+        t.q, t.k, t.v, None, None, None, 0, 0.0, t.scale, mod.causal, -math.inf, window, cap, *docs,
         None if rel is None else rel.to(t.q.dtype),
     )  # fmt: skip
     return out

@@ -166,16 +166,23 @@ class AccumulatingCalls(TorchDispatchMode):
 
 
 def kernel_flags(**on: bool) -> dict[str, bool]:
-    """The attention kernels' flags (their key), those named set."""
+    """The attention kernels' flags (their key as `attention_flags` gives it), those named set."""
     flags = (
         "bias",
         "mask",
         "dropout",
         "causal",
         "window",
-        "softcap",
+        "score_mod",
         "documents",
         "relative",
         "prefix",
     )
     return {flag: on.get(flag, False) for flag in flags}
+
+
+def attention_flags(spec: Any) -> dict[str, bool]:
+    """An attention kernel's key with its generated score modification as whether it has one."""
+    key = dict(spec.key)
+    key["score_mod"] = bool(key["score_mod"])
+    return key

@@ -293,6 +293,44 @@ def _offset(name: str, layout: Layout) -> str:
     return " + ".join(terms) or "0"
 
 
+def _print_nodes(gm: GraphModule, names: dict[Node, str], printer: _Printer) -> list[str]:
+    """One line per call in `gm`, assigning its value to `v_<name>` (recorded in `names`, which
+    holds the placeholders' variables)."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rule = _RULES.get(node.target)
+        if rule is None:
+            raise Unprintable(f"{node.target} has no Triton spelling in the pointwise printer")
+        # a list is a constant's size (zeros): the constant broadcasts over the region
+        args = [
+            names[a] if isinstance(a, Node) else _literal(a)
+            for a in node.args
+            if not isinstance(a, torch.dtype | torch.device | torch.layout | str | list)
+        ]
+        var = names[node] = f"v_{node.name}"
+        lines.append(f"{var} = {rule(node, args, printer)}")
+    return lines
+
+
+def jit_function(gm: GraphModule, name: str) -> tuple[str, ...]:
+    """`gm` as the source lines of a `@triton.jit` function `name` of its placeholders (float
+    values) returning its outputs, one line per node."""
+    printer = _Printer(_float_type(gm))
+    names = {n: f"v_{n.name}" for n in gm.graph.nodes if n.op == "placeholder"}
+    params = list(names.values())
+    lines = _print_nodes(gm, names, printer)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = ", ".join(names[value] for value in output.args[0])
+    return (
+        "@triton.jit",
+        f"def {name}({', '.join(params)}):",
+        *(f"    {line}" for line in lines),
+        f"    return {returned}",
+    )
+
+
 def render(
     gm: GraphModule,
     operands: Sequence[Load | Mask | None],
@@ -345,21 +383,7 @@ def render(
             load = f"({load} != 0)"
         body.append(f"{var} = {load}")
 
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        rule = _RULES.get(node.target)
-        if rule is None:
-            raise Unprintable(f"{node.target} has no Triton spelling in the pointwise printer")
-        # a list is a constant's size (zeros): the constant broadcasts over the region
-        args = [
-            names[a] if isinstance(a, Node) else _literal(a)
-            for a in node.args
-            if not isinstance(a, torch.dtype | torch.device | torch.layout | str | list)
-        ]
-        var = names[node] = f"v_{node.name}"
-        body.append(f"{var} = {rule(node, args, printer)}")
-
+    body += _print_nodes(gm, names, printer)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for name, value in zip(outputs, output.args[0], strict=True):
         params.append((name, "output, contiguous over the region"))

@@ -2,7 +2,7 @@
 schema, fake implementation, kernel launch, autograd; the reference lives in
 `attention_reference.py`, which also states the semantics.
 
-    scores = q @ k^T * scale, or softcap * tanh(q @ k^T * scale) when softcap is not 0
+    scores = g(q @ k^T * scale), g the registered score modification `score_mod` (or none)
     biased = scores + bias + rel_bias[..., 0, j - i + Lq - 1]     (query i, key j)
     out = dropout(softmax(where(mask, biased, masked_value), causal, prefix, window, docs), p) @ v
 
@@ -37,6 +37,7 @@ from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
+from seqcompile.ops import score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp
 
@@ -69,7 +70,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
         dropout=call["p"] > 0,
         causal=call["causal"],
         window=call["window"] > 0,
-        softcap=call["softcap"] != 0,
+        score_mod=score_mods.lookup(call["score_mod"]).kernel if call["score_mod"] else (),
         documents=call["doc_q"] is not None,
         relative=call["rel_bias"] is not None,
         prefix=call["prefix"] is not None,
@@ -133,8 +134,8 @@ def describe(call: Call) -> str | None:
     kinds = ([causal] if call["causal"] else []) + (
         [f"sliding window {call['window']}"] if call["window"] else []
     )
-    if call["softcap"]:
-        kinds.append(f"scores soft-capped at {call['softcap']:g}")
+    if call["score_mod"]:
+        kinds.append(f"scores modified as {score_mods.lookup(call['score_mod']).description}")
     for name in ("mask", "bias"):
         if call[name] is not None:
             kinds.append(f"reads a {name} {_shape(call.value(name))}")
@@ -204,7 +205,7 @@ def attention(
     causal: bool,
     masked_value: float,
     window: int = 0,
-    softcap: float = 0.0,
+    score_mod: str = "",
     doc_q: Tensor | None = None,
     doc_kv: Tensor | None = None,
     rel_bias: Tensor | None = None,
@@ -217,14 +218,14 @@ def attention(
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
-        seed, stream, p, scale, causal, masked_value, window, softcap,
+        seed, stream, p, scale, causal, masked_value, window, score_mod,
         _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), _small4(layout, prefix),
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
 @attention.register_fake
-def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
       doc_q=None, doc_kv=None, rel_bias=None, prefix=None):  # fmt: skip
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
@@ -352,7 +353,7 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _common_args(
-    q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
+    q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
 ) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
     shape = _scores_shape(q, k)
@@ -369,16 +370,16 @@ def _common_args(
     if prefix is not None:  # (b, h)
         strides += [*_strides4(prefix, (*shape[:2], 1, 1))[:2]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
-    return pointers, scalars + ([window] if window > 0 else []) + ([softcap] if softcap else [])
+    return pointers, scalars + ([window] if window > 0 else [])
 
 
 def _as_called(
-    bias, mask, p, causal, window, softcap, documents, rel_bias, prefix, **more
+    bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix, **more
 ) -> dict[str, Any]:
     """The arguments `_flags` reads, by the op's names, from a launcher's."""
     doc_q = None if documents is None else documents[0]
     return dict(
-        bias=bias, mask=mask, p=p, causal=causal, window=window, softcap=softcap, doc_q=doc_q,
+        bias=bias, mask=mask, p=p, causal=causal, window=window, score_mod=score_mod, doc_q=doc_q,
         rel_bias=rel_bias, prefix=prefix, **more,
     )  # fmt: skip
 
@@ -398,7 +399,7 @@ def _finite(value: float) -> float:
 
 
 def forward_kernels(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
     documents=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
@@ -411,10 +412,10 @@ def forward_kernels(
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
     (spec,) = forward_kernels_of(
-        _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, prefix)
+        _as_called(bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix)
     )
     pointers, scalars = _common_args(
-        q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
+        q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
     )
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
@@ -449,7 +450,7 @@ def attention_backward(
     masked_value: float,
     bias_grad: bool,
     window: int = 0,
-    softcap: float = 0.0,
+    score_mod: str = "",
     doc_q: Tensor | None = None,
     doc_kv: Tensor | None = None,
     rel_bias: Tensor | None = None,
@@ -465,7 +466,7 @@ def attention_backward(
     dq, dk, dv, dbias, drel = impl(
         layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        softcap, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), rel_grad,
+        score_mod, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), rel_grad,
         _small4(layout, prefix),
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
@@ -478,7 +479,7 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad, window=0, softcap=0.0, doc_q=None, doc_kv=None, rel_bias=None,
+      masked_value, bias_grad, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
       rel_grad=False, prefix=None):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
     drel = rel_bias.new_empty(rel_bias.shape) if rel_grad else reference.no_bias_grad(q, rel_bias)
@@ -487,7 +488,7 @@ def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, sca
 
 def backward_kernels(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
+    masked_value, bias_grad, window=0, score_mod="", documents=None, rel_bias=None, rel_grad=False,
     prefix=None,
 ):  # fmt: skip
     k_in = k
@@ -518,10 +519,12 @@ def backward_kernels(
         )  # fmt: skip
         grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
         _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            _as_called(bias, mask, p, causal, window, softcap, documents, rel_bias, prefix, **grads)
+            _as_called(
+                bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix, **grads
+            )
         )
         pointers, scalars = _common_args(
-            q, k, v, bias, mask, masked_value, scale, window, softcap, documents, rel_bias, prefix
+            q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
         )
         seed_args = [seed] if p > 0 else []
         dropout_args = (p, stream) if p > 0 else ()
@@ -551,7 +554,9 @@ def backward_kernels(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, softcap = inputs[:13]
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, score_mod = inputs[
+        :13
+    ]
     doc_q, doc_kv, rel_bias, prefix = inputs[13:]
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
@@ -560,7 +565,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*saved)
     ctx.config = dict(
         stream=stream, p=p, scale=scale, causal=causal, masked_value=masked_value,
-        window=window, softcap=softcap,
+        window=window, score_mod=score_mod,
     )  # fmt: skip
 
 

@@ -2,9 +2,9 @@
 for the kernels and what runs on CPU without the interpreter.
 
 It materializes the scores, so it is exact where the kernels are tiled, and defines the semantics
-the kernels follow: scores `q @ k^T * scale`, soft-capped to `softcap * tanh(scores)` when
-`softcap` is not 0, plus `bias`, plus `rel_bias` (..., 1, Lq + Lk - 1) at key - query + Lq - 1 (a
-bias that depends only on the key's position less the query's); positions the boolean `mask`
+the kernels follow: scores `q @ k^T * scale`, modified by the registered element-wise function
+`score_mod` when given, plus `bias`, plus `rel_bias` (..., 1, Lq + Lk - 1) at key - query + Lq - 1
+(a bias that depends only on the key's position less the query's); positions the boolean `mask`
 rejects take `masked_value`; positions above the diagonal (causal) but for keys before the
 `prefix`, keys `window` or more positions before the query (a sliding window, when `window` > 0)
 and keys of another document than the query's (with `documents`) take -inf; then softmax and
@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from seqcompile.ops import score_mods
 from seqcompile.ops.random import keep_mask
 
 Tensor = torch.Tensor
@@ -77,19 +78,17 @@ def scores(
     causal: bool,
     masked_value: float,
     window: int = 0,
-    softcap: float = 0.0,
+    score_mod: str = "",
     documents: tuple[Tensor, Tensor] | None = None,
     rel_bias: Tensor | None = None,
     prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """float32 scores after soft cap, bias, mask, causal and window, where each query may
-    attend, and the soft cap's derivative (None without one)."""
+    """float32 scores after the score modification, biases, mask, causal and window, where each
+    query may attend, and the modification's derivative (None without one)."""
     s = q.float() @ expand_heads(k, q.shape[1]).float().transpose(-1, -2) * scale
     slope = None
-    if softcap:
-        capped = torch.tanh(s)
-        slope = softcap * (1 - capped * capped)
-        s = softcap * capped
+    if score_mod:
+        s, slope = score_mods.apply(score_mod, s)
     if bias is not None:
         s = s + bias.float()
     if rel_bias is not None:
@@ -138,11 +137,22 @@ def dropout_scale(
 
 
 def forward(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, softcap=0.0,
+    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
     documents=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
     s, _, _ = scores(
-        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias, prefix
+        q,
+        k,
+        bias,
+        mask,
+        scale,
+        causal,
+        masked_value,
+        window,
+        score_mod,
+        documents,
+        rel_bias,
+        prefix,
     )
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
@@ -166,11 +176,22 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 def backward(
     grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, softcap=0.0, documents=None, rel_bias=None, rel_grad=False,
+    masked_value, bias_grad, window=0, score_mod="", documents=None, rel_bias=None, rel_grad=False,
     prefix=None,
 ):  # fmt: skip
     s, attend, slope = scores(
-        q, k, bias, mask, scale, causal, masked_value, window, softcap, documents, rel_bias, prefix
+        q,
+        k,
+        bias,
+        mask,
+        scale,
+        causal,
+        masked_value,
+        window,
+        score_mod,
+        documents,
+        rel_bias,
+        prefix,
     )
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)

@@ -115,12 +115,12 @@ def _clean(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def _trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
+def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
     """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own: the caller may be inside
     an autograd.Function forward (autograd keys excluded, grad off) or inside another trace (its
     modes, functionalization's included, would wrap stand-ins made here), all thread-local."""
 
-    def trace() -> GraphModule:
+    def traced_here() -> GraphModule:
         with FakeTensorMode(), torch.enable_grad():
             stand_ins = [
                 torch.empty(_STAND_IN, dtype=dtype, requires_grad=grad) for dtype, grad in inputs
@@ -132,7 +132,7 @@ def _trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(trace).result()
+            return pool.submit(traced_here).result()
     except Exception as error:  # a region op that fake tensors or autograd cannot trace
         raise UnsupportedRegion(f"tracing the region failed: {error}") from error
 
@@ -148,7 +148,7 @@ def register(
     A `name` (a user pattern's) starts the key, so the kernels rendered for the region carry it."""
     module = GraphModule(torch.nn.Module(), graph)
     inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
-    forward = _trace(module, inputs)
+    forward = trace(module, inputs)
     text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if name is not None:
@@ -198,7 +198,7 @@ def backward_plan(
     ]
     masks = [(torch.bool, False)] * num_masks
     terms = [(d, False) for d, n in zip(out_dtypes, grad_terms, strict=True) for _ in range(n)]
-    graph = _trace(joint, (*inputs, *masks, *terms))
+    graph = trace(joint, (*inputs, *masks, *terms))
 
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     term_placeholders = placeholders[region.num_inputs + num_masks :]

@@ -50,6 +50,7 @@ from seqcompile.patterns.index_masks import (
     whole_slice,
 )
 from seqcompile.patterns.relative_bias import RelativeBias, per_diagonal, read_relative
+from seqcompile.patterns.score_mod import modified_operand, register_chain
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -79,8 +80,11 @@ class Site:
     """With `causal`, a prefix LM's: every query also sees the keys before the prefix."""
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
-    softcap: float = 0.0
-    """The scores are `softcap * tanh(q @ k^T * scale)` (0: plain `q @ k^T * scale`)."""
+    modified: tuple[Node, float] | None = None
+    """The last element-wise modification of the scores before the biases and masks (a `tanh`),
+    with the factor the scales after it apply."""
+    score_mod: str = ""
+    """The registered modification the kernel applies to `q @ k^T * scale` (`ops/score_mods.py`)."""
     documents: tuple[Node, Node] | None = None
     """Query and key document ids whose equality the kernel tests (a packed batch's mask)."""
     relative: list[tuple[RelativeBias, float]] = dataclasses.field(default_factory=list)
@@ -148,8 +152,9 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 
 Link = tuple
 """One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node, sign),
-("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",), or
-("batch", scores) for a reshape of the batch dimensions of `scores`."""
+("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",),
+("batch", scores) for a reshape of the batch dimensions of `scores`, or ("mod", node) for another
+element-wise op on the scores alone (`tanh`)."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
@@ -178,8 +183,6 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     """What `node` does to the scores, and the operands that may continue the chain upward."""
     if is_call(node, *CASTS):
         return ("cast",), [node.args[0]]
-    if is_call(node, aten.tanh.default):
-        return ("tanh",), [node.args[0]]
     if _batch_reshape(node):
         return ("batch", node.args[0]), [node.args[0]]
     factor = _scale_factor(node)
@@ -204,6 +207,9 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
         if constant(a) is not None and isinstance(b, Node):
             return ("mask", cond, False, constant(a)), [b]
         return Reject("where() between two tensors on the scores; the kernel fills a constant")
+    scores = modified_operand(node)
+    if scores is not None:
+        return ("mod", node), [scores]
     return None
 
 
@@ -375,6 +381,13 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
         site.k_transposed = True
     site.nodes += [qk, *score_nodes, *prob_nodes]
     applied = _apply_links(site, links, tensor_val(qk).shape, softmax)
+    if isinstance(applied, Site) and applied.modified is not None:
+        top, after = applied.modified
+        chain = score_nodes[score_nodes.index(top) :][::-1]
+        key = register_chain(chain, qk, after)
+        if isinstance(key, Reject):
+            return key
+        applied.score_mod = key
     if isinstance(applied, Site) and (
         applied.frames or any(not _same_batch(n, softmax) for n in (qk, pv))
     ):
@@ -410,19 +423,25 @@ def _same_batch(a: Node, b: Node) -> bool:
 
 
 def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Node) -> Site | Reject:
-    """Fold the links (latest first, from the softmax up) into the site's scale, soft cap, biases
-    and masks: a scale after a bias or a fill scales that bias or value too, and the scales
-    after a `tanh` are its cap, those before it the scale inside. The kernel caps, then adds the
-    bias, then fills, so a finite fill must not come before a bias add, and nothing but scales
-    before the `tanh`."""
+    """Fold the links (latest first, from the softmax up) into the site's scale, modification,
+    biases and masks: a scale after a bias or a fill scales that bias or value too, and the last
+    element-wise modification (`tanh`) ends what the kernel computes from the product alone, all
+    below it included, the scales after it its factor. The kernel modifies, then adds the bias,
+    then fills, so a finite fill must not come before a bias add, and no bias or mask before the
+    modification."""
     factor_after = 1.0
-    values, causal_fills, bias_seen, capped = set(), set(), False, False
+    values, causal_fills, bias_seen = set(), set(), False
     frame = softmax
     for link in links:
-        if capped and link[0] in ("bias", "mask", "shift", "tanh"):
-            return Reject("a {} before a tanh of the scores; the kernel caps q @ k^T only", link[0])
-        if link[0] == "tanh":
-            site.softcap, factor_after, capped = factor_after, 1.0, True
+        if site.modified is not None:
+            if link[0] in ("bias", "mask"):
+                what = site.modified[0].target
+                return Reject(
+                    "a {} before {} of the scores; the kernel modifies q @ k^T", link[0], what
+                )
+            continue  # (below the modification: part of it)
+        if link[0] == "mod":
+            site.modified, factor_after = (link[1], factor_after), 1.0
         elif link[0] == "batch":
             frame = link[1]
         elif link[0] == "bias" and not _same_batch(frame, softmax):
@@ -648,7 +667,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
                 causal=site.causal,
                 masked_value=masked_value,
                 window=site.window,
-                softcap=site.softcap,
+                score_mod=site.score_mod,
                 doc_q=site.documents[0] if site.documents else None,
                 doc_kv=site.documents[1] if site.documents else None,
                 rel_bias=_relative_bias(ctx, site),

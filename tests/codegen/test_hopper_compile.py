@@ -20,7 +20,7 @@ COMPILE = textwrap.dedent(
     from seqcompile.codegen import kernel_function
 
     INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream", "window"}
-    FLOATS = {"eps", "p", "scale", "masked_value", "softcap"}
+    FLOATS = {"eps", "p", "scale", "masked_value"}
     FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS", "DREL"}
     CONSTEXPRS = {"HEAD_DIM", "DOT_PRECISION"}
 
@@ -71,7 +71,11 @@ NORM = textwrap.dedent(
 
 ATTENTION = textwrap.dedent(
     """
-    from seqcompile.ops import attention
+    import torch
+    from seqcompile.ops import attention, score_mods
+
+    capped = score_mods.register(lambda x: 30.0 * torch.tanh(x / 30.0), "cap")
+    CAP = score_mods.lookup(capped).kernel
 
     def tiles(head_dim, precision):
         block_d = max(16, triton.next_power_of_2(head_dim))
@@ -79,16 +83,16 @@ ATTENTION = textwrap.dedent(
                     DOT_PRECISION=precision)
 
     def kernel_flags(**on):
-        names = ("bias", "mask", "dropout", "causal", "window", "softcap", "documents",
-                 "relative", "prefix")
-        return {name: on.get(name, False) for name in names}
+        names = ("bias", "mask", "dropout", "causal", "window", "documents", "relative", "prefix")
+        flags = {name: on.get(name, False) for name in names}
+        return {**flags, "score_mod": on.get("score_mod", ())}
 
     variants = [
-        kernel_flags(softcap=True),
+        kernel_flags(score_mod=CAP),
         kernel_flags(bias=True, mask=True, dropout=True, causal=True, window=True),
-        kernel_flags(bias=True, dropout=True, softcap=True, documents=True),
+        kernel_flags(bias=True, dropout=True, score_mod=CAP, documents=True),
         kernel_flags(mask=True, causal=True, window=True, documents=True),
-        kernel_flags(mask=True, causal=True, prefix=True, relative=True, softcap=True),
+        kernel_flags(mask=True, causal=True, prefix=True, relative=True, score_mod=CAP),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
     for flags, (data, head_dim, precision) in zip(variants, cases + cases[:2]):

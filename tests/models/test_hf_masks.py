@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from checks import kernel_flags, saved_tensors
+from checks import attention_flags, kernel_flags, saved_tensors
 
 from models.real_models import (
     CASES,
@@ -46,7 +46,7 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     case = Case(model, build, causal_lm_batch, own_loss, sites(2, 5, 1), 2, (implementation,))
     eager, expected, _ = step(case, implementation, compiled=False)
     fast, loss, report = step(case, implementation, compiled=True)
-    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert keys and all(
         key == kernel_flags(mask=True, causal=True, window=windowed) for key in keys
     ), keys
@@ -89,8 +89,8 @@ def test_gemma2_caps_its_scores_and_windows_every_other_layer():
     case = Case("gemma2", build, causal_lm_batch, own_loss, sites(2, 9, 1), 2, ("eager",))
     eager, expected, _ = step(case, "eager", compiled=False)
     fast, loss, report = step(case, "eager", compiled=True)
-    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
-    common = dict(mask=True, causal=True, softcap=True)
+    keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
+    common = dict(mask=True, causal=True, score_mod=True)
     assert keys == [kernel_flags(**common, window=True), kernel_flags(**common)], keys
     assert report.counts["attention"] == 2
     assert all("attention" not in m.pattern for m in report.missed), report
@@ -113,7 +113,7 @@ def test_a_packed_batch_compares_document_ids_in_the_kernel():
     case = Case("llama-packed", build, packed, own_loss, sites(2, 5, 1), 2, ("sdpa",))
     eager, expected, _ = step(case, "sdpa", compiled=False)
     fast, loss, report = step(case, "sdpa", compiled=True)
-    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert keys and all(key == kernel_flags(causal=True, documents=True) for key in keys), keys
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
@@ -131,7 +131,7 @@ def test_t5_reads_its_relative_position_bias_per_diagonal(implementation):
     case = dataclasses.replace(t5, build=build)
     eager, expected, _ = step(case, implementation, compiled=False)
     fast, loss, report = step(case, implementation, compiled=True)
-    keys = [dict(k.spec.key) for k in report.kernels if k.spec.template == "attention_fwd"]
+    keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert {frozenset(k.items()) for k in keys} == {
         frozenset(kernel_flags(**flags).items())
         for flags in (

@@ -13,6 +13,7 @@ from conftest import TOLERANCES
 
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
+from seqcompile.ops import score_mods
 from seqcompile.ops.random import keep_mask
 
 attention = torch.ops.seqfast.attention
@@ -29,17 +30,17 @@ pytestmark = [
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
-             keep=None, p=0.0, window=0, softcap=0.0, docs=None, rel_bias=None,
+             keep=None, p=0.0, window=0, modify=None, docs=None, rel_bias=None,
              prefix=None):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
-    soft cap, biases, mask, causal and window. A row whose every score is -inf gives 0, as SDPA
-    defines it."""
+    the modification `modify`, biases, mask, causal and window. A row whose every score is -inf
+    gives 0, as SDPA defines it."""
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] > k.shape[-3] > 1:
         group = q.shape[-3] // k.shape[-3]  # grouped-query heads: query head h reads h // group
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     s = q @ k.transpose(-1, -2) * scale
-    if softcap:
-        s = softcap * torch.tanh(s)
+    if modify is not None:
+        s = modify(s)
     if bias is not None:
         s = s + bias
     if rel_bias is not None:  # score (i, j) adds the value of diagonal j - i
@@ -81,7 +82,7 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
                     p=0.0, seed=20240917, stream=3, scale=None, window=0,
-                    softcap=0.0, docs=None, rel_bias=None, prefix=None):  # fmt: skip
+                    modify=None, docs=None, rel_bias=None, prefix=None):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
     gradients (in the order q, k, v, bias, rel_bias)."""
@@ -89,7 +90,8 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
-        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window, softcap,
+        q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window,
+        score_mods.register(modify, "a test's") if modify is not None else "",
         *(docs or (None, None)), rel_bias, prefix,
     )  # fmt: skip
     operands = [t for t in (q, k, v, bias, rel_bias) if t is not None]
@@ -101,7 +103,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     by_name = dict(zip(names, doubles, strict=True))
     expected, s = composed(
         by_name["q"], by_name["k"], by_name["v"], by_name.get("bias"), mask, scale=scale,
-        causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, softcap=softcap,
+        causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, modify=modify,
         docs=docs, rel_bias=by_name.get("rel_bias"), prefix=prefix,
     )  # fmt: skip
     tol = TOLERANCES[dtype]
@@ -389,7 +391,7 @@ def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     doc_q, doc_kv = packed([(16,)], 32)
     with counting_launches() as launches:
-        out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, 0, 0.0,
+        out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, 0, "",
                               doc_q, doc_kv)  # fmt: skip
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ran = ["attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"]
@@ -417,13 +419,13 @@ def test_packed_documents_with_a_padding_mask_and_a_learned_bias(impl, masked_va
 
 
 # --------------------------------------------------------------------------------------------
-# soft-capped scores
+# element-wise modifications of the scores
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_soft_capped_scores_with_a_learned_bias_and_a_mask(impl, causal, dtype):
-    """softcap * tanh(scores), then the bias and the mask: the bias gradient is the capped
+    """2 * tanh(scores / 2), then the bias and the mask: the bias gradient is the capped
     scores' gradient, q's and k's go through the cap's derivative. A cap of 2 bends every
     score."""
     g = torch.Generator().manual_seed(11)
@@ -431,7 +433,25 @@ def test_soft_capped_scores_with_a_learned_bias_and_a_mask(impl, causal, dtype):
     bias = randn(g, 1, 2, 21, 19, dtype=dtype)
     mask = torch.rand(2, 1, 1, 19, generator=g) > 0.3
     mask[..., 0] = True
-    run_and_compare(q, k, v, bias, mask, causal=causal, softcap=2.0, window=7 if causal else 0)
+    run_and_compare(
+        q, k, v, bias, mask, causal=causal, modify=lambda s: 2.0 * torch.tanh(s / 2.0),
+        window=7 if causal else 0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "modify",
+    [lambda s: s.clamp(-0.5, 0.8), lambda s: torch.sigmoid(s * 2.0) * 3.0 - s * 0.1],
+    ids=["clamp", "sigmoid_minus_linear"],
+)
+def test_other_element_wise_modifications(impl, modify):
+    """The kernels apply a generated g and scale the scores' gradient by g': clamp's is 0 where
+    it clips, so q and k get nothing from the clipped scores."""
+    g = torch.Generator().manual_seed(18)
+    q, k, v = qkv(g, 2, 2, 21, 19, 16)
+    mask = torch.rand(2, 1, 1, 19, generator=g) > 0.3
+    mask[..., 0] = True
+    run_and_compare(q, k, v, None, mask, causal=True, modify=modify)
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,7 +741,7 @@ def test_fixed_relative_bias(impl):
 def test_relative_bias_of_the_wrong_length_is_refused():
     q = k = v = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="one value per key - query diagonal"):
-        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, 0.0, None, None,
+        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, "", None, None,
                   torch.randn(2, 1, 5))  # fmt: skip
 
 
@@ -747,5 +767,5 @@ def test_prefix_lm(impl, prefix):
 def test_a_prefix_without_causal_is_refused():
     q = k = v = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="a prefix widens causal"):
-        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, 0.0, None, None,
+        attention(q, k, v, None, None, None, 0, 0.0, 1.0, False, -math.inf, 0, "", None, None,
                   None, torch.tensor([[2]]))  # fmt: skip

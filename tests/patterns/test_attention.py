@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import check_fusion, kernel_flags
+from checks import attention_flags, check_fusion, kernel_flags
 
 from seqcompile.ops.attention import key_blocks, visible_pairs
 from seqcompile.ops.attention_reference import diagonal_keep
@@ -221,7 +221,7 @@ def test_lower_triangle_is_read_as_causal(apply_causal):
 
     report = fused(fn, qkv(lq=6, lk=6))
     (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
-    assert dict(forward.key) == kernel_flags(causal=True)
+    assert attention_flags(forward) == kernel_flags(causal=True)
 
 
 def test_causal_with_a_padding_mask():
@@ -339,17 +339,39 @@ def test_soft_capped_scores_are_capped_in_the_kernel(cap):
         return softmax_v(s.masked_fill(~keep, -math.inf), v)
 
     report = fused(fn, [*qkv(), padding()])
-    assert forward_kernel_key(report) == kernel_flags(mask=True, softcap=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=True)
+
+
+@pytest.mark.parametrize(
+    "modify",
+    [
+        lambda s: s.clamp(-1.5, 1.5),
+        lambda s: torch.sigmoid(s) * 4.0,
+        lambda s: 3.0 * torch.tanh(s + 0.5),
+        lambda s: torch.tanh(torch.tanh(s) * 2.0),
+    ],
+    ids=["clamp", "sigmoid", "shift_inside", "nested"],
+)
+def test_element_wise_modifications_of_the_scores_are_computed_in_the_kernel(modify):
+    """Any pointwise chain with constants between the product and the mask: generated into the
+    kernels with its derivative (clamp's is 0 where it clips)."""
+
+    def fn(q, k, v, keep):
+        return softmax_v(modify(scores(q, k)).masked_fill(~keep, -math.inf), v)
+
+    report = fused(fn, [*qkv(), padding()])
+    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=True)
+    (line,) = report.sites
+    assert "scores modified as " in line, line
 
 
 @pytest.mark.parametrize(
     "before_cap, what",
     [
-        (lambda s, bias, keep: s + bias, "a bias before a tanh"),
-        (lambda s, bias, keep: s.masked_fill(~keep, -math.inf), "a mask before a tanh"),
-        (lambda s, bias, keep: s + 1.0, "a shift before a tanh"),
+        (lambda s, bias, keep: s + bias, "a bias before aten.tanh.default"),
+        (lambda s, bias, keep: s.masked_fill(~keep, -math.inf), "a mask before aten.tanh"),
     ],
-    ids=["bias", "mask", "shift"],
+    ids=["bias", "mask"],
 )
 def test_a_tanh_over_more_than_scaled_scores_is_refused(before_cap, what):
     bias = torch.randn(B, 1, LQ, LK)
@@ -910,7 +932,7 @@ def test_compiled_attention_runs_the_kernels_under_the_interpreter(interpret):
 
 def forward_kernel_key(report):
     (forward,) = [k for k in report.kernels if k.template == "attention_fwd"]
-    return dict(forward.key)
+    return attention_flags(forward)
 
 
 def scores(q, k):
