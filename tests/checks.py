@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from conftest import assert_close
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,11 +108,14 @@ def saved_bytes(step, lasting):
 
 def saved_tensors(step, lasting) -> dict[StorageWeakRef, torch.Tensor]:
     """A tensor per distinct storage autograd saves while `step()` computes a loss and its
-    backward runs, leaving out the storages of the tensors in `lasting`."""
+    backward runs, leaving out the storages of the tensors in `lasting` and the fake tensors a
+    compile inside `step()` traces with (they are never kept)."""
     lasting = {StorageWeakRef(t.untyped_storage()) for t in lasting}
     saved = {}
 
     def pack(t):
+        if is_fake(t):
+            return t
         ref = StorageWeakRef(t.untyped_storage())
         if ref not in lasting:
             saved[ref] = t

@@ -37,6 +37,9 @@ class StepMemory:
     kept_input_bytes: int
     """Graph inputs other than parameters that the backward reads (the batch, or activations
     an earlier graph made): kept alive for the backward too."""
+    kept_shapes: tuple[tuple[int, ...], ...]
+    """The shape of each tensor the backward reads from the forward, made there or an input,
+    parameters and the user's outputs aside."""
     peak_bytes: int
     """The most bytes live at once over the step, gradients made so far included, inputs not."""
     peak_node: str
@@ -114,6 +117,12 @@ def step_memory(
         kept_fused_bytes=sum(kept[key] for key in made & fused),
         recomputed_bytes=sum(redone.values()),
         kept_input_bytes=sum(size for key, size in kept.items() if key in inputs),
+        kept_shapes=tuple(
+            tuple(concrete(n) for n in leaf.shape)
+            for node in kept_nodes
+            for leaf in tree_flatten(val(node))[0]
+            if isinstance(leaf, torch.Tensor) and StorageWeakRef(leaf.untyped_storage()) in kept
+        ),
         peak_bytes=peak_bytes,
         peak_node=peak_node,
         parameter_bytes=sum(params.values()),

@@ -154,7 +154,7 @@ def describe(call: Call) -> str | None:
     tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
     blocks = f"the forward visits {visited} of {total} {tile} blocks per head"
     if call["prefix"] is not None:
-        blocks += ", and the prefix's"
+        blocks += " besides the prefix's (as many as its lengths reach past the diagonal)"
     return f"{', '.join(kinds)}; {blocks}"
 
 

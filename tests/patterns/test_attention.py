@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import attention_flags, check_fusion, kernel_flags
+from checks import attention_flags, check_fusion, kernel_flags, saved_tensors
 
 from seqcompile.ops.attention import key_blocks, visible_pairs
 from seqcompile.ops.attention_reference import diagonal_keep
@@ -677,6 +677,54 @@ def test_prefixes_the_kernel_cannot_combine_are_read_as_masks(keep, computed):
     key = forward_kernel_key(fused(fn, [*qkv(lq=20, lk=20), prefix_lengths()]))
     read = computed != ["causal"]
     assert key == kernel_flags(mask=read, **dict.fromkeys(computed, True)), key
+
+
+def prefix_lm(q, k, v, lengths, pad):
+    q_idx, kv_idx = positions(q.shape[-2])
+    mask = ((kv_idx <= q_idx) | (kv_idx < lengths[:, None, None, None])) & pad
+    return softmax_v(scores(q, k) + torch.where(mask, 0.0, MIN), v)
+
+
+def clamped_causal(q, k, v, lengths, pad):
+    q_idx, kv_idx = positions(q.shape[-2])
+    return softmax_v(scores(q, k).clamp(-2, 2).masked_fill(kv_idx > q_idx, -math.inf), v)
+
+
+def packed_documents(q, k, v, lengths, pad):
+    q_idx, kv_idx = positions(q.shape[-2])
+    doc = three_documents()
+    same = doc[:, None, :, None] == doc[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & (kv_idx <= q_idx))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: prefix_lm,
+        lambda: clamped_causal,
+        lambda: packed_documents,
+        lambda: DistanceAlibi(),
+        lambda: T5Attention(bidirectional=False),
+    ],
+    ids=["prefix_lm", "clamp", "documents", "alibi_by_distance", "t5_buckets"],
+)
+def test_nothing_of_the_scores_size_is_kept_for_the_backward(build):
+    """What the kernel computes from positions, ids or a diagonal's values is never built at
+    (Lq, Lk), so nothing that size is saved for the backward (20 positions, heads of 8): neither
+    in the memory model's plan nor in what autograd is handed."""
+    fn = build()
+    q, k, v = qkv(lq=20, lk=20)
+    extra = [] if isinstance(fn, DistanceAlibi) else [padding(lk=20)]
+    if not isinstance(fn, T5Attention | DistanceAlibi):
+        extra = [prefix_lengths(), padding(lk=20)]
+    compiled = torch.compile(fn, backend="seqfast")
+    lasting = [q, k, v, *extra] + (list(fn.parameters()) if isinstance(fn, torch.nn.Module) else [])
+    with collecting() as report:
+        saved = saved_tensors(lambda: compiled(q, k, v, *extra).sum(), lasting)
+    assert report.counts["attention"] == 1, report
+    assert not [t.shape for t in saved.values() if t.dim() >= 2 and t.shape[-2:] == (20, 20)]
+    (plan,) = report.memory
+    assert plan.step.kept_shapes and not [s for s in plan.step.kept_shapes if s[-2:] == (20, 20)]
 
 
 def three_documents():
