@@ -9,7 +9,8 @@ A bias is read so where it depends on positions only through differences of key 
 (`index_masks.linear`), and every op from there to the bias acts position by position: pointwise
 ops, `embedding` (without `scale_grad_by_freq`) or indexing with the differences as the index, and
 permutes, transposes, size-1 views and broadcasts that keep the two position dims; their other
-operands are constant along those dims. Anything else keeps the bias tensor.
+operands are constant along those dims (judged by shape, whatever they are computed from: ALiBi's
+slopes from an `arange` over the heads). Anything else keeps the bias tensor.
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
         return None
     dims = None
     for operand in [*node.args, *node.kwargs.values()]:
-        inner = _dims(operand, lq, lk, found, positional)
+        inner = _kept_if_read(operand, lq, lk, found, positional)
+        if inner is None and tensor_val(operand) is not None:
+            continue  # read no position by position: below, it must be constant along them
         if inner is None:
             return None
         operand_rank = tensor_val(operand).dim() if tensor_val(operand) is not None else 0
@@ -163,6 +166,17 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
             if d >= 0 and not statically_known_true(value.shape[d] == 1):
                 return None
     return dims
+
+
+def _kept_if_read(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
+    """`_dims(node)`, leaving `found` as it was where that is None: an operand computed from an
+    `arange` of something else (ALiBi's slopes from the head numbers) is then judged by its
+    shape alone, and what its graph recorded on the way must not be run again per diagonal."""
+    dims, differences = dict(found.dims), dict(found.differences)
+    inner = _dims(node, lq, lk, found, positional)
+    if inner is None:
+        found.dims, found.differences = dims, differences
+    return inner
 
 
 def _sum(ctx: FuseContext, a: int | Node, b: int | Node) -> int | Node:

@@ -494,6 +494,20 @@ def test_alibi_by_distance_is_read_per_diagonal_with_the_slopes_gradient():
     assert forward_kernel_key(report) == kernel_flags(relative=True)
 
 
+def test_alibi_slopes_made_in_the_graph_from_the_head_numbers_are_read_per_diagonal():
+    """Slopes computed from an `arange` over the heads (as MPT and BLOOM make theirs) are
+    constant along the positions: the causal ALiBi given to SDPA is read per diagonal."""
+
+    def fn(q, k, v):
+        q_idx, kv_idx = positions(q.shape[-2])
+        slopes = 2.0 ** -torch.arange(1, H + 1).float()
+        bias = (slopes.view(1, H, 1, 1) * (kv_idx - q_idx)).masked_fill(kv_idx > q_idx, -math.inf)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    report = fused(fn, qkv(lq=18, lk=18))
+    assert forward_kernel_key(report) == kernel_flags(causal=True, relative=True)
+
+
 @pytest.mark.parametrize(
     "build", [lambda: T5Attention(False, sdpa=True), DistanceAlibi], ids=["t5-decoder", "alibi"]
 )
