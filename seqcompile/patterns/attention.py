@@ -4,8 +4,10 @@ softmax become one `seqfast::attention`.
 The written-out form is read from the softmax outward, as independent features rather than
 enumerated variants: below the softmax, casts and dropout up to the `probs @ v` matmul; above it,
 the scores' chain back to `q @ k^T`, where each link is a scale (multiply or divide by a constant),
-an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), or a cast; on the
-matmul's operands, a constant scale on q or k. A boolean mask built by `tril`/`triu` of ones is
+an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), an element-wise
+modification with constants, or a cast; straight on the product, a factor that is a tensor
+constant along the keys or the queries (a learned temperature), which q or k takes instead; on
+the matmul's operands, a constant scale on q or k. A boolean mask built by `tril`/`triu` of ones is
 recognized as causal and not read at all. `bmm`, `baddbmm` and `einsum` arrive here as `matmul`
 (see normalize.py). Reshapes that split or merge batch dimensions on either side of the softmax
 (heads flattened into the batch for `bmm`, split back out for a (B, 1, Lq, Lk) mask) are followed
@@ -80,6 +82,9 @@ class Site:
     """With `causal`, a prefix LM's: every query also sees the keys before the prefix."""
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
+    factors: list[tuple[Node, str]] = dataclasses.field(default_factory=list)
+    """Tensors the product is multiplied by before anything else, with the operand ("q" or
+    "k") each scales in the kernel's input instead (a learned temperature)."""
     modified: tuple[Node, float] | None = None
     """The last element-wise modification of the scores before the biases and masks (a `tanh`),
     with the factor the scales after it apply."""
@@ -151,7 +156,8 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 
 
 Link = tuple
-"""One step from the q @ k^T product to the softmax: ("scale", c), ("bias", node, sign),
+"""One step from the q @ k^T product to the softmax: ("scale", c), ("factor", node, t, side) for
+a product by a tensor t that q or k can take instead, ("bias", node, sign),
 ("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",),
 ("batch", scores) for a reshape of the batch dimensions of `scores`, or ("mod", node) for another
 element-wise op on the scores alone (`tanh`)."""
@@ -210,6 +216,8 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     scores = modified_operand(node)
     if scores is not None:
         return ("mod", node), [scores]
+    if is_call(node, aten.mul.Tensor) and all(_is_float(a) for a in node.args[:2]):
+        return ("factor",), list(node.args[:2])
     return None
 
 
@@ -260,8 +268,8 @@ _SAME_VALUES = (
 _FILL_ARGUMENT = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
 
 
-def _is_float(node: Node) -> bool:
-    value = tensor_val(node)
+def _is_float(node: object) -> bool:
+    value = tensor_val(node) if isinstance(node, Node) else None
     return value is not None and value.is_floating_point()
 
 
@@ -284,6 +292,8 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
     if isinstance(step, Reject):
         return step
     link, operands = step
+    if link[0] == "factor":
+        return _walk_factor(node, operands, links, nodes)
     if link[0] in ("add", "sub"):
         # scores + bias, bias + scores, scores - bias
         orders = [operands, operands[::-1]] if link[0] == "add" else [operands]
@@ -302,6 +312,51 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
     links.append(link)
     nodes.append(node)
     return _walk_scores(operands[0], links, nodes)
+
+
+def _walk_factor(
+    node: Node, operands: list[Node], links: list[Link], nodes: list[Node]
+) -> Node | Reject | None:
+    """`scores * t` with t a tensor constant along the keys (a learned temperature per head or
+    per query, Swin V2's logit scale) or along the queries, straight on the product (constant
+    scales and casts between): the kernel reads q * t (or k * t) instead."""
+    refused = None
+    for above, factor in (operands, operands[::-1]):
+        found = _walk_scores(above, sub_links := [], sub_nodes := [])
+        if not isinstance(found, Node):
+            refused = refused or found
+            continue
+        scores, shape = tensor_val(found).shape, tensor_val(factor).shape
+        side = _factor_side(shape, scores)
+        if side is None:
+            return Reject(
+                "the scores are multiplied by a tensor {} that varies along both queries and"
+                " keys; the kernel scales q or k",
+                shape,
+            )
+        if any(link[0] not in ("scale", "cast") for link in sub_links):
+            return Reject(
+                "the scores are multiplied by a tensor {} after a bias, mask or modification;"
+                " the kernel scales q or k before them",
+                shape,
+            )
+        links += [("factor", node, factor, side), *sub_links]
+        nodes += [node, *sub_nodes]
+        return found
+    return refused
+
+
+def _factor_side(shape: torch.Size, scores: torch.Size) -> str | None:
+    """Which operand of `q @ k^T` a factor of `shape` on the `scores` can scale instead: q where
+    it is constant along the keys, k where it is constant along the queries, None otherwise."""
+    if not broadcasts_to(shape, scores):
+        return None
+    padded = (1, 1, *shape)[-2:]
+    if statically_known_true(padded[-1] == 1):
+        return "q"
+    if statically_known_true(padded[-2] == 1):
+        return "k"
+    return None
 
 
 def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
@@ -384,7 +439,7 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     if isinstance(applied, Site) and applied.modified is not None:
         top, after = applied.modified
         chain = score_nodes[score_nodes.index(top) :][::-1]
-        key = register_chain(chain, qk, after)
+        key = register_chain(chain, qk, after, {t for t, _ in applied.factors})
         if isinstance(key, Reject):
             return key
         applied.score_mod = key
@@ -433,6 +488,9 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
     values, causal_fills, bias_seen = set(), set(), False
     frame = softmax
     for link in links:
+        if link[0] == "factor":  # straight on the product: scales q or k, the kernel none
+            site.factors.append(link[2:])
+            continue
         if site.modified is not None:
             if link[0] in ("bias", "mask"):
                 what = site.modified[0].target
@@ -496,6 +554,10 @@ def _check(site: Site) -> Reject | None:
         if k.dim() < 2:
             return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
+    for factor, side in site.factors:
+        shape = _factor_on_rows(tensor_val(factor).shape, side)
+        if not broadcasts_to(shape, (q if side == "q" else k).shape):
+            return Reject("a factor {} of the scores would enlarge {} (its batch)", shape, side)
     if site.batch_of is not None:
         batch = tuple(tensor_val(site.batch_of).shape[:-2])
         if not all(_same_count(t.shape[:-2], batch) for t in (q, k, v)):
@@ -541,6 +603,30 @@ def _check(site: Site) -> Reject | None:
     if site.nodes and barrier_between(min(site.nodes, key=order.__getitem__), site.out):
         return Reject("grad mode, autocast or an in-place op changes inside the attention")
     return None
+
+
+def _factor_on_rows(shape: torch.Size, side: str) -> tuple:
+    """A factor of the scores (constant along the keys for q, the queries for k) as a factor of
+    the rows of q or k."""
+    padded = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+    return padded if side == "q" else (*padded[:-2], padded[-1], padded[-2])
+
+
+def _scaled(ctx: FuseContext, site: Site, operand: Node, side: str) -> Node:
+    """`operand` (`site.q` or `site.k`) times the factors of the scores it takes, in its own
+    dtype."""
+    dtype = tensor_val(operand).dtype
+    for factor, factor_side in site.factors:
+        if factor_side != side:
+            continue
+        for _ in range(2 - tensor_val(factor).dim()):
+            factor = ctx.call(aten.unsqueeze.default, factor, 0)
+        if side == "k" and not site.k_transposed:  # k is (..., Lk, D), the factor (..., 1, Lk)
+            factor = ctx.call(aten.transpose.int, factor, -2, -1)
+        operand = ctx.call(aten.mul.Tensor, operand, factor)
+        if tensor_val(operand).dtype != dtype:
+            operand = ctx.call(aten.to.dtype, operand, dtype)
+    return operand
 
 
 def _same_count(dims: tuple, other: tuple) -> bool:
@@ -645,7 +731,7 @@ def _rewrite(site: Site, name: str) -> Rewrite:
         graph = ctx.gm.graph
         out_val = tensor_val(site.out)
         with graph.inserting_before(site.out):
-            q, k, v = site.q, site.k, site.v
+            q, k, v = _scaled(ctx, site, site.q, "q"), _scaled(ctx, site, site.k, "k"), site.v
             if site.batch_of is not None:
                 q, k, v = (_in_batch(ctx, n, site.batch_of) for n in (q, k, v))
             k = ctx.call(aten.transpose.int, k, -2, -1) if site.k_transposed else k

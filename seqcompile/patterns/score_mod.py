@@ -7,7 +7,7 @@ kernels compute in place of the chain, with its derivative in the backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch.fx import Node
@@ -46,14 +46,21 @@ def _unknown(value: object) -> bool:
     return isinstance(value, list | tuple) and any(_unknown(v) for v in value)
 
 
-def register_chain(chain: Sequence[Node], scores: Node, after: float) -> str | Reject:
+def register_chain(
+    chain: Sequence[Node], scores: Node, after: float, factors: Collection[Node] = ()
+) -> str | Reject:
     """The key of `after * chain(x)`, the nodes of `chain` (from the product `scores` up, each
-    reading the one before) run on x in place of `scores`; a Reject where it cannot be traced or
-    printed."""
+    reading the one before) run on x in place of `scores`; a product by one of the tensors
+    `factors` passes its scores on (q or k takes the factor instead). A Reject where it cannot be
+    traced or printed."""
+    passed = {n for n in chain if any(a in factors for a in n.args)}
 
     def g(x: Tensor) -> Tensor:
         values: dict[Node, Tensor] = {scores: x}
         for node in chain:
+            if node in passed:
+                values[node] = next(values[a] for a in node.args if a in values)
+                continue
             values[node] = node.target(
                 *_replayed(node.args, values), **_replayed(node.kwargs, values)
             )
@@ -61,7 +68,7 @@ def register_chain(chain: Sequence[Node], scores: Node, after: float) -> str | R
         return out if after == 1.0 else out * after
 
     try:
-        return score_mods.register(g, describe(chain, after))
+        return score_mods.register(g, describe([n for n in chain if n not in passed], after))
     except UnsupportedRegion as why:
         return Reject("the scores' modification cannot go into the kernel: {}", why)
 

@@ -382,6 +382,54 @@ def test_a_tanh_over_more_than_scaled_scores_is_refused(before_cap, what):
     check_fusion(fn, [*qkv(), padding()], counts={"attention": 0}, missed=[what])
 
 
+class LearnedFactor(torch.nn.Module):
+    """Scores times a learned tensor: `multiply(product, factor)` of this module's `factor`."""
+
+    def __init__(self, shape, multiply):
+        super().__init__()
+        self.factor = torch.nn.Parameter(torch.rand(shape, generator=torch.Generator()) + 0.5)
+        self.multiply = multiply
+
+    def forward(self, q, k, v, keep):
+        s = self.multiply(q @ k.transpose(-1, -2), self.factor)
+        return softmax_v(s.masked_fill(~keep, -math.inf), v)
+
+
+@pytest.mark.parametrize(
+    "shape, multiply, capped",
+    [
+        ((H, 1, 1), lambda s, t: s * t.clamp(max=2.0).exp(), False),  # Swin V2's logit scale
+        ((), lambda s, t: t * (s * D**-0.5), False),
+        ((LQ, 1), lambda s, t: s * t, False),  # per query
+        ((LK,), lambda s, t: s / math.sqrt(D) * t, False),  # per key
+        ((H, 1, 1), lambda s, t: 5.0 * torch.tanh(s * t / 5.0), True),
+    ],
+    ids=["per_head", "scalar_first", "per_query", "per_key", "inside_a_cap"],
+)
+def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
+    """A tensor constant along the keys multiplies q, one constant along the queries k: the
+    kernel reads them scaled, and autograd takes the factor's gradient from theirs."""
+    report = fused(LearnedFactor(shape, multiply), [*qkv(), padding()])
+    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=capped)
+
+
+@pytest.mark.parametrize(
+    "multiply, what",
+    [
+        (lambda s, t, bias: s * t, "varies along both queries and keys"),
+        (lambda s, t, bias: (s + bias) * t[..., :1], "after a bias, mask or modification"),
+    ],
+    ids=["per_score", "after_a_bias"],
+)
+def test_a_factor_the_kernel_cannot_move_to_q_or_k_is_refused(multiply, what):
+    factor, bias = torch.rand(B, 1, LQ, LK) + 0.5, torch.randn(B, 1, LQ, LK)
+
+    def fn(q, k, v, factor):
+        return softmax_v(multiply(scores(q, k), factor, bias), v)
+
+    check_fusion(fn, [*qkv(), factor], counts={"attention": 0}, missed=[what])
+
+
 def alibi(heads=H, length=10):
     """ALiBi as MPT builds it: per-head slopes times the key positions, (1, H, 1, L)."""
     slopes = 1.0 / 2 ** torch.arange(1, heads + 1).float()
