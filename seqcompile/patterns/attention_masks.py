@@ -1,6 +1,7 @@
 """Reading constants and masks in the attention family: the constant a 0-d tensor in the graph
-holds (`torch.tensor(finfo.min)`, `torch.full([], c)`), and whether a boolean mask is the causal
-triangle of the scores (`tril`/`triu` of ones, through views that keep it a top-left block)."""
+holds (`torch.tensor(finfo.min)`, `torch.full([], c)`), and the half-planes of the scores a
+boolean triangle keeps (`tril`/`triu` of ones, through views that keep it a top-left block): the
+causal one, a sliding window's, or both for a band."""
 
 from __future__ import annotations
 
@@ -93,10 +94,37 @@ def _top_left(node: Node, scores: Sequence[Any]) -> object:
 
 def is_causal(mask: object, keeps: bool, scores: Sequence[Any]) -> bool:
     """Whether the boolean `mask` is the causal triangle of the last two dims of the shape
-    `scores`: `tril(ones)` where True keeps, `triu(ones, 1)` where True masks, their logical
-    negations and comparisons with 0, through views that keep it a top-left block of the
-    triangle."""
-    node = mask
+    `scores` (see `triangle`)."""
+    return triangle(mask, keeps, scores) == [(True, 0)]
+
+
+def triangle(mask: object, keeps: bool, scores: Sequence[Any]) -> list[tuple[bool, int]] | None:
+    """The half-planes of the scores' last two dims (those of the shape `scores`) whose
+    intersection the boolean `mask` keeps, where it is a triangle: `tril(ones, d)` (kv - q <= d)
+    or `triu(ones, d)` (kv - q >= d) where True keeps, or one of them of another such triangle
+    (`ones.tril().triu(-w)`, a band), and a triangle of ones where True masks; through logical
+    negations, comparisons with 0 and views that keep it a top-left block. Each half-plane is
+    (upper, bound): kv - q <= bound when `upper`, kv - q >= bound otherwise. None for any other
+    mask."""
+    found = _to_triangle(mask, keeps, scores)
+    if found is None:
+        return None
+    node, keeps = found
+    diagonal = arg(node, 1, "diagonal", 0)
+    if not isinstance(diagonal, int):
+        return None
+    lower = is_call(node, aten.tril.default)  # keeps kv - q <= diagonal
+    if _ones(node.args[0]):
+        if keeps:
+            return [(lower, diagonal)]
+        return [(False, diagonal + 1)] if lower else [(True, diagonal - 1)]
+    inner = triangle(node.args[0], True, scores) if keeps else None
+    return None if inner is None else [(lower, diagonal), *inner]
+
+
+def _to_triangle(node: object, keeps: bool, scores: Sequence[Any]) -> tuple[Node, bool] | None:
+    """The `tril` or `triu` of the scores' (Lq, Lk) block that `node` is, through negations,
+    comparisons with 0 and top-left views, with whether True keeps there."""
     while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
         source = tensor_val(node.args[0]) if node.args else None
         if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
@@ -110,11 +138,6 @@ def is_causal(mask: object, keeps: bool, scores: Sequence[Any]) -> bool:
             node = node.args[0] if _same_block(source, scores) else None
         else:
             node = _top_left(node, scores)
-    if node is None or not _ones(node.args[0]):
-        return False
-    diagonal = arg(node, 1, "diagonal", 0)
-    if keeps and is_call(node, aten.tril.default):
-        return diagonal == 0
-    if not keeps and is_call(node, aten.triu.default):
-        return diagonal == 1
-    return False
+    if node is None or not _same_block(tensor_val(node), scores):
+        return None
+    return node, keeps

@@ -29,7 +29,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, tensor_val, val
-from seqcompile.patterns.attention_masks import constant, is_causal
+from seqcompile.patterns.attention_masks import constant, is_causal, triangle
 
 aten = torch.ops.aten
 _AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
@@ -123,7 +123,8 @@ def split_diagonal(
     mask: Node, keeps: bool, scores: Sequence[Any]
 ) -> tuple[Diagonal, list[tuple[Node, bool]]]:
     """The causal triangle and sliding window among `mask`'s factors (for the shape `scores`,
-    its last two dims: `tril` of ones, `kv_idx <= q_idx`, `kv_idx > q_idx - w`), and the other
+    its last two dims: `tril` of ones, a band `ones.tril().triu(1 - w)`, `kv_idx <= q_idx`,
+    `kv_idx > q_idx - w`), and the other
     factors, less those that keep every score."""
     diagonal, rest, prefixes = Diagonal(), [], []
     split = factors(mask, keeps)
@@ -138,10 +139,9 @@ def split_diagonal(
         plane = half_plane(factor, factor_keeps, scores[-2], scores[-1], runs)
         if plane is not None and diagonal.add(plane):
             continue
-        if is_causal(factor, factor_keeps, scores):
-            diagonal.causal = True
-        else:
-            rest.append((factor, factor_keeps))
+        planes = triangle(factor, factor_keeps, scores)
+        if planes is None or not all([diagonal.add(HalfPlane(*p)) for p in planes]):
+            rest.append((factor, factor_keeps))  # (what it implies of the diagonal taken too)
     if prefixes and not diagonal.causal:  # (with causal, what a prefix adds is hidden anyway)
         if not diagonal.window:  # the kernel widens causal by one prefix, without a window
             diagonal.causal, diagonal.prefix = True, prefixes.pop()

@@ -1066,6 +1066,46 @@ def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     assert forward_kernel_key(report) == kernel_flags(mask=True)
 
 
+def ones(n, rows=None):
+    return torch.ones(rows or n, n, dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "apply, computed",
+    [
+        (lambda s, n: s.masked_fill(~ones(n).tril().triu(-3), -math.inf), ["causal", "window"]),
+        (lambda s, n: torch.where(ones(n).triu(-3).tril(), s, MIN), ["causal", "window"]),
+        (lambda s, n: s.masked_fill(ones(n).tril(-4), -math.inf), ["window"]),
+        (
+            lambda s, n: s.masked_fill(ones(n).triu(1) | ~ones(n).triu(-3), MIN),
+            ["causal", "window"],
+        ),
+    ],
+    ids=["band", "band_other_order", "masked_below_the_window", "masked_outside_the_band"],
+)
+def test_a_band_of_ones_is_computed_as_causal_and_a_window(apply, computed):
+    """`ones.tril().triu(1 - w)` keeps causal keys within a window of w (Mistral's reference
+    code): the kernel computes both and reads no mask."""
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(18, 18))
+    assert forward_kernel_key(report) == kernel_flags(**dict.fromkeys(computed, True))
+    (line,) = report.sites
+    assert "sliding window 4" in line, line
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda s, n: torch.where(ones(n, rows=1).tril(), s, -math.inf),  # keeps key 0 only
+        lambda s, n: s.masked_fill(~ones(n).tril(1), -math.inf),
+        lambda s, n: s.masked_fill(~ones(n).tril(1).triu(-2), -math.inf),
+    ],
+    ids=["one_row", "shifted_diagonal", "band_past_the_diagonal"],
+)
+def test_triangles_the_kernel_cannot_compute_are_read_as_masks(apply):
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
+    assert forward_kernel_key(report)["mask"], report.sites
+
+
 def test_a_finite_fill_before_a_bias_stays_unfused():
     # eager's masked scores are -1e4 + bias; the kernel fills after adding the bias
     keep = torch.ones(B, 1, LQ, LK, dtype=torch.bool)
