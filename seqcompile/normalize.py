@@ -17,6 +17,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile import normalize_loss
+from seqcompile.fx_aliasing import written_through_a_view
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
@@ -64,9 +65,10 @@ def _drop_inactive_dropout(node: Node, ctx: RuleContext) -> Node | None:
 
 def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
     """An in-place op (`x.add_(y)`, `scores *= c`) on a value the graph made itself, that no view
-    shares, becomes its out-of-place form, read by the op's readers and by every later reader of
-    that value: the families and the region fuser then see plain math (an in-place op stops them).
-    The result keeps the value's dtype, as the in-place op does."""
+    shares and no op writes through a view, becomes its out-of-place form, read by the op's
+    readers and by every later reader of that value: the families and the region fuser then see
+    plain math (an in-place op stops them). The result keeps the value's dtype, as the in-place op
+    does."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
@@ -79,8 +81,8 @@ def _out_of_place(node: Node, ctx: RuleContext) -> Node | None:
         return None
     if not grad_enabled_at(node) and _turns_grad_on(node.graph):
         return None  # under no_grad the in-place op keeps the value's history; a copy would not
-    if any(_aliases(u) for u in value.users if u is not node):
-        return None
+    if any(_aliases(u) for u in value.users if u is not node) or written_through_a_view(value):
+        return None  # a write through a view would stay on the value the copy replaces
     result = ctx.call(functional, *node.args, **node.kwargs)
     dtype = tensor_val(value).dtype
     if tensor_val(result) is None or tensor_val(result).shape != tensor_val(value).shape:

@@ -194,6 +194,33 @@ def test_an_in_place_op_seen_through_a_view_or_on_an_input_stays():
     assert aten.add_.Tensor in targets and aten.mul_.Tensor in targets
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda y: y.__setitem__((slice(None), 0), 0.0),
+        lambda y: y.view(-1)[:3].fill_(0.0),
+        lambda y: y.select(1, 2).add_(1.0).mul_(2.0),
+    ],
+    ids=["setitem", "view_of_a_view", "two_writes"],
+)
+def test_an_in_place_op_whose_result_is_written_through_a_view_stays(write):
+    """`y.mul_(3); y[:, 0] = 0`: the write goes through a view of the in-place op's result, which
+    a copy in its place would not receive."""
+
+    def fn(x):
+        y = x * 2
+        y.mul_(3)
+        write(y)
+        return torch.relu(y) + 1
+
+    x = torch.randn(4, 5)
+    graph, fired, targets = dynamo_normalized(fn, x)
+    assert fired["out_of_place"] == 0 and aten.mul_.Tensor in targets
+    torch.testing.assert_close(graph(x.clone())[0], fn(x.clone()))
+    compiled = torch.compile(fn, backend="seqfast")
+    torch.testing.assert_close(compiled(x.clone()), fn(x.clone()))
+
+
 def test_a_rule_whose_result_is_laid_out_otherwise_keeps_the_layout():
     """einsum of a transposed operand returns strides matmul would not (a graph output's
     strides are the caller's to rely on)."""
