@@ -25,6 +25,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile import runtime
+from seqcompile.fx_aliasing import computed_from_written
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
@@ -128,7 +129,7 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
     if mask_val is not None:
         if mask_val.dtype == torch.bool:
             scores = (tensor_val(q).shape[-2], tensor_val(k).shape[-2])
-            diagonal, rest = split_diagonal(attn_mask, True, scores)
+            diagonal, rest = _read_mask(attn_mask, True, scores)
             site.keep += rest + _take_diagonal(site, diagonal)
             site.masked_value = -math.inf
         else:  # added to the scaled scores: its terms read as a written-out bias's
@@ -230,6 +231,8 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     in float32 a score plus finfo.min is finfo.min, and either way the key adds nothing to a row
     that keeps one. A term of zeros that broadcasts to the `scores` (T5's cross-attention position
     bias) adds nothing. The fills come first, as the kernel fills after it adds the biases."""
+    if computed_from_written(bias):  # its computation misses the write: read it as it is
+        return [("bias", bias, sign)]
     node = bias
     while is_call(node, *_SAME_VALUES) or whole_slice(node):
         node = node.args[0]
@@ -450,6 +453,15 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     return applied
 
 
+def _read_mask(mask: Node, keeps: bool, scores: tuple) -> tuple[Diagonal, list[tuple[Node, bool]]]:
+    """What the kernel computes of a boolean mask and its factors to read (`split_diagonal`); the
+    whole mask where an in-place op writes what it is computed from (`m[:, :5] = True` after a
+    `tril`), which its computation alone would miss."""
+    if computed_from_written(mask):
+        return Diagonal(), [(mask, keeps)]
+    return split_diagonal(mask, keeps, scores)
+
+
 def _take_diagonal(site: Site, diagonal: Diagonal) -> list[tuple[Node, bool]]:
     """Fold what the kernel computes of a mask (causal, a prefix, a window) into the site's; the
     mask factors it cannot combine with what the site has (a second prefix, a prefix beside a
@@ -519,7 +531,7 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
                     "a bias is added after a mask filled with {}; the kernel fills last", value
                 )
             diagonal, rest = (
-                split_diagonal(mask, keeps, scores)
+                _read_mask(mask, keeps, scores)
                 if value <= CAUSAL_FILL
                 else (Diagonal(), [(mask, keeps)])
             )
@@ -683,7 +695,8 @@ def _take_relative(site: Site) -> None:
     lq = tensor_val(site.q).shape[-2]
     lk = tensor_val(site.k).shape[-1 if site.k_transposed else -2]
     for bias, factor in list(site.biases):
-        relative = read_relative(bias, lq, lk) if bias not in site.frames else None
+        computed = bias not in site.frames and not computed_from_written(bias)
+        relative = read_relative(bias, lq, lk) if computed else None
         if relative is not None:
             site.relative.append((relative, factor))
             site.biases.remove((bias, factor))
@@ -719,7 +732,8 @@ def _take_documents(site: Site) -> None:
     if site.masked_value is not None and site.masked_value > CAUSAL_FILL:
         return
     for factor, keeps in site.keep:
-        ids = document_ids(factor, keeps) if factor not in site.frames else None
+        computed = factor not in site.frames and not computed_from_written(factor)
+        ids = document_ids(factor, keeps) if computed else None
         if ids is not None:
             site.documents = ids
             site.keep.remove((factor, keeps))

@@ -1106,6 +1106,58 @@ def test_triangles_the_kernel_cannot_compute_are_read_as_masks(apply):
     assert forward_kernel_key(report)["mask"], report.sites
 
 
+def written_after_causal(q, k, v):
+    """UniLM's prefix LM: a causal triangle, the first keys then opened in place."""
+    mask = ones(q.shape[-2]).tril()
+    mask[:, :5] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def window_with_a_sink(q, k, v):
+    """StreamingLLM: a causal window whose first key every query keeps, set in place."""
+    q_idx, kv_idx = positions(q.shape[-2])
+    keep = (kv_idx <= q_idx) & (kv_idx > q_idx - 4)
+    keep[..., 0] = True
+    return softmax_v(scores(q, k).masked_fill(~keep, -math.inf), v)
+
+
+def alibi_with_a_free_first_key(q, k, v):
+    q_idx, kv_idx = positions(q.shape[-2])
+    bias = -(q_idx - kv_idx).abs().float() * torch.tensor([0.5, 0.25]).view(1, H, 1, 1)
+    bias[..., 0] = 0.0
+    return softmax_v(scores(q, k) + bias, v)
+
+
+def positions_restarted_in_place(q, k, v):
+    where = torch.arange(q.shape[-2])
+    where[6:] -= 6
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=where[None, :] <= where[:, None])
+
+
+def zeros_filled_in_place(q, k, v):
+    bias = torch.zeros(1, H, q.shape[-2], k.shape[-2])
+    bias[..., :3] = -2.0
+    return softmax_v(scores(q, k) + bias, v)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        written_after_causal,
+        window_with_a_sink,
+        alibi_with_a_free_first_key,
+        positions_restarted_in_place,
+        zeros_filled_in_place,
+    ],
+    ids=["prefix_opened", "window_sink", "alibi_edited", "positions_edited", "zeros_filled"],
+)
+def test_a_mask_or_bias_written_in_place_is_read_as_it_is(fn):
+    """An in-place write into what a mask or bias is computed from changes it after the ops that
+    made it: the kernel reads the tensor instead of computing it from those ops."""
+    report = fused(fn, qkv(13, 13))
+    assert not any(forward_kernel_key(report)[f] for f in ("causal", "window", "relative"))
+
+
 def test_a_finite_fill_before_a_bias_stays_unfused():
     # eager's masked scores are -1e4 + bias; the kernel fills after adding the bias
     keep = torch.ones(B, 1, LQ, LK, dtype=torch.bool)
