@@ -29,6 +29,7 @@ TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=1e-5),
     torch.float16: dict(atol=1e-2, rtol=1e-2),
     torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+    torch.bool: dict(atol=0, rtol=0),
 }
 
 

@@ -116,16 +116,17 @@ def compile_time_specs(
     `needs_grad` names an input needing a gradient."""
     concrete = [_at_hints(t) for t in inputs]
     shape = list(_shape(concrete))
-    outputs = len(regions.output_dtypes(region, [t.dtype for t in inputs]))
-    sizes, _, layouts = _layouts(shape, concrete, outputs)
-    specs = [forward_spec(region.key, layouts, len(sizes), outputs)[0]]
+    dtypes = regions.output_dtypes(region, [t.dtype for t in inputs])
+    sizes, _, layouts = _layouts(shape, concrete, len(dtypes))
+    specs = [forward_spec(region.key, layouts, len(sizes), len(dtypes))[0]]
     if needs_grad is not None and any(needs_grad):
-        plan_key = (tuple(needs_grad), *_unfolded(outputs))
+        # autograd passes no gradient for an output that is not floating point (a mask)
+        grad_terms = tuple(int(d.is_floating_point) for d in dtypes)
+        plan_key = (tuple(needs_grad), grad_terms, (False,) * len(dtypes))
         plan = regions.backward_plan(region.key, *plan_key)
         saved = [t for t, keep in zip(concrete, plan.saved, strict=True) if keep]
-        specs += backward_specs(
-            region.key, plan_key, saved, [torch.empty(shape, device="meta")] * outputs
-        )
+        grads = [torch.empty(shape, device="meta")] * sum(grad_terms)
+        specs += backward_specs(region.key, plan_key, saved, grads)
     return specs
 
 

@@ -87,6 +87,17 @@ def test_a_value_used_inside_and_outside_is_an_output():
     check_fusion(fn, [leaf(4, 6), leaf(6, seed=1)], counts={"pointwise": 1})
 
 
+def test_a_region_with_a_boolean_output_differentiates_its_floating_one():
+    """A learned slope times key - query beside the mask `rel < 0`: autograd passes no gradient
+    for the boolean output, and the backward kernel takes one term for the other."""
+
+    def fn(rel, slope):
+        shifted = rel + 1
+        return torch.tanh(shifted * slope), shifted < 0
+
+    check_fusion(fn, [leaf(4, 6), leaf(6, seed=1)], counts={"pointwise": 1})
+
+
 def test_a_region_reading_a_value_made_under_no_grad():
     """The backward is planned, inside AOTAutograd's trace, for fewer inputs than the fuser
     planned it for."""
