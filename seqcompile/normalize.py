@@ -241,16 +241,17 @@ def _rsqrt_spellings(node: Node, ctx: RuleContext) -> Node | None:
 
 def _bmm_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
     """`bmm(a, b)` is `matmul(a, b)` on 3-D operands; `baddbmm(c, a, b, beta, alpha)` is
-    `matmul(a, b) * alpha + c * beta`."""
+    `matmul(a, b) * alpha + c * beta`, or without c where beta is 0 (baddbmm then ignores it,
+    NaN included: Megatron-LM passes an uninitialized buffer)."""
     if is_call(node, aten.bmm.default):
         return ctx.call(aten.matmul.default, *node.args[:2])
     if is_call(node, aten.baddbmm.default):
         beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
-        if beta == 0:  # baddbmm ignores the input then, NaN included
-            return None
         product = ctx.call(aten.matmul.default, node.args[1], node.args[2])
         if alpha != 1:
             product = ctx.call(aten.mul.Tensor, product, alpha)
+        if beta == 0:
+            return product
         added = node.args[0] if beta == 1 else ctx.call(aten.mul.Tensor, node.args[0], beta)
         return ctx.call(aten.add.Tensor, product, added)
     return None

@@ -128,6 +128,18 @@ def test_baddbmm_with_a_scale_and_a_bias():
     fused(fn, [*qkv(), torch.randn(B * H, 1, LK)])
 
 
+def test_baddbmm_into_an_uninitialized_buffer_with_beta_zero():
+    """Megatron-LM's core attention: baddbmm ignores its input at beta 0, whatever it holds."""
+
+    def fn(q, k, v):
+        qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
+        buffer = torch.full((B * H, LQ, LK), math.nan)
+        s = torch.baddbmm(buffer, qf, kf.transpose(1, 2), beta=0.0, alpha=D**-0.5)
+        return torch.bmm(s.softmax(-1), vf)
+
+    fused(fn, qkv())
+
+
 def test_bmm_on_flattened_heads_with_a_per_head_mask():
     def fn(q, k, v, bias):
         qf, kf, vf = (t.reshape(B * H, -1, D) for t in (q, k, v))
