@@ -41,7 +41,7 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.patterns.attention_masks import CASTS, constant
+from seqcompile.patterns.attention_masks import CASTS, constant, filled_triangle
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.index_masks import (
     WHERE,
@@ -225,8 +225,9 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
 def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     """The links of a bias added to (sign 1) or subtracted from the scores, latest first. An
     added bias is split into the terms it sums, and a term that is 0 where a mask keeps and at
-    most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`) is read
-    as that mask filling its value, and a bias filled so (`masked_fill(bias, mask, finfo.min)`,
+    most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`, and a
+    triangle filled so, `triu(full(-inf), 1)`) is read as that mask filling its value, and a bias
+    filled so (`masked_fill(bias, mask, finfo.min)`,
     `where(mask, bias, finfo.min)`) as the mask and the bias:
     in float32 a score plus finfo.min is finfo.min, and either way the key adds nothing to a row
     that keeps one. A term of zeros that broadcasts to the `scores` (T5's cross-attention position
@@ -249,6 +250,9 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
         fill = constant(node.args[2])
         if fill is not None and fill <= CAUSAL_FILL:
             return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign, scores)]
+    fill = filled_triangle(node, scores) if _is_float(node) else None
+    if fill is not None and fill <= CAUSAL_FILL:  # triu(full(-inf), 1): nn.Transformer's mask
+        return [("mask", node, False, fill)]
     if is_call(node, *WHERE):
         cond, kept, filled = node.args[:3]
         for keeps, (term, value) in ((True, (kept, filled)), (False, (filled, kept))):

@@ -64,6 +64,16 @@ def _ones(node: object) -> bool:
     return is_call(node, aten.full.default) and constant(node.args[1]) == 1.0
 
 
+def _filled(node: object) -> float | None:
+    """c where every element of `node` is the constant c: ones (through views and casts), or
+    `full(c)` (through views)."""
+    if _ones(node):
+        return 1.0
+    while is_call(node, *SHAPE_VIEWS, aten.slice.Tensor, aten.alias.default):
+        node = node.args[0]
+    return constant(node.args[1]) if is_call(node, aten.full.default) else None
+
+
 def _same_block(value: torch.Tensor | None, scores: Sequence[Any]) -> bool:
     """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
     return (
@@ -114,12 +124,27 @@ def triangle(mask: object, keeps: bool, scores: Sequence[Any]) -> list[tuple[boo
     if not isinstance(diagonal, int):
         return None
     lower = is_call(node, aten.tril.default)  # keeps kv - q <= diagonal
-    if _ones(node.args[0]):
+    if _filled(node.args[0]) not in (None, 0.0):  # (True: not 0)
         if keeps:
             return [(lower, diagonal)]
         return [(False, diagonal + 1)] if lower else [(True, diagonal - 1)]
     inner = triangle(node.args[0], True, scores) if keeps else None
     return None if inner is None else [(lower, diagonal), *inner]
+
+
+def filled_triangle(node: object, scores: Sequence[Any]) -> float | None:
+    """c where the float `node` holds c (not 0) on a triangle of the scores' last two dims and 0
+    elsewhere (`triu(full(-inf), 1)`, `triu(ones, 1) * -1e9`): added to the scores, it fills that
+    triangle with c as a mask would."""
+    factor = 1.0
+    if is_call(node, aten.mul.Tensor) and constant(node.args[1]) is not None:
+        node, factor = node.args[0], constant(node.args[1])
+    while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
+        node = _top_left(node, scores)
+    if node is None or not _same_block(tensor_val(node), scores):
+        return None
+    fill = _filled(node.args[0])
+    return None if fill in (None, 0.0) else fill * factor
 
 
 def _to_triangle(node: object, keeps: bool, scores: Sequence[Any]) -> tuple[Node, bool] | None:
@@ -130,6 +155,8 @@ def _to_triangle(node: object, keeps: bool, scores: Sequence[Any]) -> tuple[Node
         if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
             keeps = keeps != is_call(node, aten.eq.Scalar)
             node = node.args[0] if _same_block(source, scores) else None
+        elif is_call(node, aten.mul.Tensor) and constant(node.args[1]) not in (None, 0.0):
+            node = node.args[0] if _same_block(source, scores) else None  # (not 0 stays so)
         elif is_call(node, aten.logical_not.default) or (
             is_call(node, aten.bitwise_not.default) and source is not None
             and source.dtype == torch.bool

@@ -289,8 +289,8 @@ def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:
 
 def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
     """The masks whose conjunction is `mask` (with whether True keeps, for each): `&` splits a
-    mask where True keeps, `|` one where True masks, a negation flips; a constant that keeps
-    everything is dropped."""
+    mask where True keeps, `|` one where True masks, a negation (`~m`, `m == 0`) flips; a
+    constant that keeps everything is dropped."""
     node: object = mask
     while True:
         if is_call(node, aten.expand.default, aten.alias.default) or _bool_cast(node):
@@ -299,6 +299,8 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
             node = node.args[0]
         elif is_call(node, *_NOT) and _is_bool(node.args[0]):
             node, keeps = node.args[0], not keeps
+        elif _compared_with_zero(node):  # mask == 0 (the Annotated Transformer), mask != 0
+            node, keeps = node.args[0], keeps != is_call(node, aten.eq.Scalar)
         elif (tested := _test_of_where(node)) is not None:  # where(m, 0, min).to(bool): MPT
             node, flips = tested
             keeps = keeps != flips
@@ -476,6 +478,15 @@ def _test_of_where(node: object) -> tuple[Node, bool] | None:
     if ca is None or cb is None or test(ca) == test(cb) or not _is_bool(cond):
         return None
     return cond, not test(ca)
+
+
+def _compared_with_zero(node: object) -> bool:
+    """`mask == 0` or `mask != 0` of a boolean mask: its negation, or itself."""
+    return (
+        is_call(node, aten.eq.Scalar, aten.ne.Scalar)
+        and _is_bool(node.args[0])
+        and node.args[1] == 0  # (a Python number or bool: the Scalar overload's)
+    )
 
 
 def _leading_ones(node: object) -> bool:

@@ -1104,6 +1104,49 @@ def test_a_band_of_ones_is_computed_as_causal_and_a_window(apply, computed):
     assert "sliding window 4" in line, line
 
 
+def neg_inf(n):
+    return torch.full((n, n), -math.inf)
+
+
+@pytest.mark.parametrize(
+    "triangle, computed",
+    [
+        (lambda n: torch.nn.Transformer.generate_square_subsequent_mask(n), ["causal"]),
+        (lambda n: torch.full((n, n), MIN).triu(1)[None, None], ["causal"]),
+        (lambda n: torch.triu(torch.ones(n, n), 1) * -1e9, ["causal"]),
+        (lambda n: neg_inf(n).triu(1) + neg_inf(n).tril(-4), ["causal", "window"]),
+    ],
+    ids=["nn_transformer", "finfo_min", "ones_times_fill", "band"],
+)
+def test_a_float_triangle_of_a_masking_fill_is_computed(triangle, computed):
+    """nn.Transformer's causal mask, `triu(full(-inf), 1)`, added to the scores: the kernel
+    computes the triangle and reads no bias."""
+    report = fused(lambda q, k, v: softmax_v(scores(q, k) + triangle(q.shape[-2]), v), qkv(18, 18))
+    assert forward_kernel_key(report) == kernel_flags(**dict.fromkeys(computed, True))
+
+
+@pytest.mark.parametrize("fill", [-3.0, 5.0])
+def test_a_triangle_of_a_fill_that_does_not_mask_is_read_as_a_bias(fill):
+    report = fused(
+        lambda q, k, v: softmax_v(scores(q, k) + torch.full((6, 6), fill).triu(1), v), qkv(6, 6)
+    )
+    assert forward_kernel_key(report) == kernel_flags(bias=True)
+
+
+def test_a_mask_compared_with_zero_is_split_into_its_factors():
+    """The Annotated Transformer's `masked_fill(mask == 0, -1e9)` of padding & a subsequent
+    mask (`triu(ones, 1).type(uint8) == 0`): causal computed, the padding read per key."""
+
+    def fn(q, k, v, keep):
+        subsequent = torch.triu(torch.ones(1, LQ, LQ), diagonal=1).type(torch.uint8) == 0
+        return softmax_v(scores(q, k).masked_fill((keep & subsequent) == 0, -1e9), v)
+
+    report = fused(fn, [*qkv(LQ, LQ), padding(lk=LQ)])
+    assert forward_kernel_key(report) == kernel_flags(causal=True, mask=True)
+    (line,) = report.sites
+    assert f"reads a mask ({B}, 1, 1, {LQ})" in line, line
+
+
 @pytest.mark.parametrize(
     "apply",
     [
