@@ -83,9 +83,10 @@ class Site:
     """With `causal`, a prefix LM's: every query also sees the keys before the prefix."""
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
-    factors: list[tuple[Node, str]] = dataclasses.field(default_factory=list)
-    """Tensors the product is multiplied by before anything else, with the operand ("q" or
-    "k") each scales in the kernel's input instead (a learned temperature)."""
+    factors: list[tuple[Node, str, bool]] = dataclasses.field(default_factory=list)
+    """Tensors the product is multiplied (or divided, when the last is True) by before anything
+    else, with the operand ("q" or "k") each scales in the kernel's input instead (a learned
+    temperature)."""
     modified: tuple[Node, float] | None = None
     """The last element-wise modification of the scores before the biases and masks (a `tanh`),
     with the factor the scales after it apply."""
@@ -157,11 +158,11 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 
 
 Link = tuple
-"""One step from the q @ k^T product to the softmax: ("scale", c), ("factor", node, t, side) for
-a product by a tensor t that q or k can take instead, ("bias", node, sign),
-("mask", node, keeps, value), ("shift",) for a constant added to every score, ("cast",),
-("batch", scores) for a reshape of the batch dimensions of `scores`, or ("mod", node) for another
-element-wise op on the scores alone (`tanh`)."""
+"""One step from the q @ k^T product to the softmax: ("scale", c), ("factor", node, t, side,
+divides) for a product by (or quotient by) a tensor t that q or k can take instead, ("bias",
+node, sign), ("mask", node, keeps, value), ("shift",) for a constant added to every score,
+("cast",), ("batch", scores) for a reshape of the batch dimensions of `scores`, or ("mod", node)
+for another element-wise op on the scores alone (`tanh`)."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
@@ -217,7 +218,7 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
     scores = modified_operand(node)
     if scores is not None:
         return ("mod", node), [scores]
-    if is_call(node, aten.mul.Tensor) and all(_is_float(a) for a in node.args[:2]):
+    if is_call(node, aten.mul.Tensor, aten.div.Tensor) and all(_is_float(a) for a in node.args[:2]):
         return ("factor",), list(node.args[:2])
     return None
 
@@ -324,11 +325,12 @@ def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Rej
 def _walk_factor(
     node: Node, operands: list[Node], links: list[Link], nodes: list[Node]
 ) -> Node | Reject | None:
-    """`scores * t` with t a tensor constant along the keys (a learned temperature per head or
-    per query, Swin V2's logit scale) or along the queries, straight on the product (constant
-    scales and casts between): the kernel reads q * t (or k * t) instead."""
+    """`scores * t` (or `scores / t`) with t a tensor constant along the keys (a learned
+    temperature per head or per query, Swin V2's logit scale) or along the queries, straight on
+    the product (constant scales and casts between): the kernel reads q * t (or k * t) instead."""
     refused = None
-    for above, factor in (operands, operands[::-1]):
+    divides = node.target is aten.div.Tensor
+    for above, factor in [operands] if divides else [operands, operands[::-1]]:
         found = _walk_scores(above, sub_links := [], sub_nodes := [])
         if not isinstance(found, Node):
             refused = refused or found
@@ -337,17 +339,19 @@ def _walk_factor(
         side = _factor_side(shape, scores)
         if side is None:
             return Reject(
-                "the scores are multiplied by a tensor {} that varies along both queries and"
-                " keys; the kernel scales q or k",
+                "the scores are {} by a tensor {} that varies along both queries and keys; the"
+                " kernel scales q or k",
+                "divided" if divides else "multiplied",
                 shape,
             )
         if any(link[0] not in ("scale", "cast") for link in sub_links):
             return Reject(
-                "the scores are multiplied by a tensor {} after a bias, mask or modification;"
-                " the kernel scales q or k before them",
+                "the scores are {} by a tensor {} after a bias, mask or modification; the kernel"
+                " scales q or k before them",
+                "divided" if divides else "multiplied",
                 shape,
             )
-        links += [("factor", node, factor, side), *sub_links]
+        links += [("factor", node, factor, side, divides), *sub_links]
         nodes += [node, *sub_nodes]
         return found
     return refused
@@ -446,7 +450,7 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     if isinstance(applied, Site) and applied.modified is not None:
         top, after = applied.modified
         chain = score_nodes[score_nodes.index(top) :][::-1]
-        key = register_chain(chain, qk, after, {t for t, _ in applied.factors})
+        key = register_chain(chain, qk, after, {t for t, _, _ in applied.factors})
         if isinstance(key, Reject):
             return key
         applied.score_mod = key
@@ -570,7 +574,7 @@ def _check(site: Site) -> Reject | None:
         if k.dim() < 2:
             return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
-    for factor, side in site.factors:
+    for factor, side, _ in site.factors:
         shape = _factor_on_rows(tensor_val(factor).shape, side)
         if not broadcasts_to(shape, (q if side == "q" else k).shape):
             return Reject("a factor {} of the scores would enlarge {} (its batch)", shape, side)
@@ -632,14 +636,14 @@ def _scaled(ctx: FuseContext, site: Site, operand: Node, side: str) -> Node:
     """`operand` (`site.q` or `site.k`) times the factors of the scores it takes, in its own
     dtype."""
     dtype = tensor_val(operand).dtype
-    for factor, factor_side in site.factors:
+    for factor, factor_side, divides in site.factors:
         if factor_side != side:
             continue
         for _ in range(2 - tensor_val(factor).dim()):
             factor = ctx.call(aten.unsqueeze.default, factor, 0)
         if side == "k" and not site.k_transposed:  # k is (..., Lk, D), the factor (..., 1, Lk)
             factor = ctx.call(aten.transpose.int, factor, -2, -1)
-        operand = ctx.call(aten.mul.Tensor, operand, factor)
+        operand = ctx.call(aten.div.Tensor if divides else aten.mul.Tensor, operand, factor)
         if tensor_val(operand).dtype != dtype:
             operand = ctx.call(aten.to.dtype, operand, dtype)
     return operand

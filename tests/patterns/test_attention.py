@@ -415,8 +415,18 @@ class LearnedFactor(torch.nn.Module):
         ((LQ, 1), lambda s, t: s * t, False),  # per query
         ((LK,), lambda s, t: s / math.sqrt(D) * t, False),  # per key
         ((H, 1, 1), lambda s, t: 5.0 * torch.tanh(s * t / 5.0), True),
+        ((), lambda s, t: s / t, False),  # GPT-J's scale_attn as a buffer
+        ((H, 1, 1), lambda s, t: 5.0 * torch.tanh(s / t / 5.0), True),
     ],
-    ids=["per_head", "scalar_first", "per_query", "per_key", "inside_a_cap"],
+    ids=[
+        "per_head",
+        "scalar_first",
+        "per_query",
+        "per_key",
+        "inside_a_cap",
+        "divided",
+        "cap_of_a_quotient",
+    ],
 )
 def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
     """A tensor constant along the keys multiplies q, one constant along the queries k: the
