@@ -258,27 +258,37 @@ def _bmm_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
 
 
 def _einsum_as_matmul(node: Node, ctx: RuleContext) -> Node | None:
-    """A two-operand `einsum` that is a batched matrix product (shared batch letters, one free
-    letter per operand, one contracted letter) becomes permutes around `matmul`, e.g.
-    `bhqd,bhkd->bhqk` is `q @ k.transpose(-1, -2)`."""
+    """A two-operand `einsum` that is a batched matrix product (one contracted letter, a free
+    letter of each operand, batch letters in the output) becomes permutes around `matmul`, e.g.
+    `bhqd,bhkd->bhqk` is `q @ k.transpose(-1, -2)`; a batch letter only one operand has is a
+    size-1 dim of the other, which matmul broadcasts (grouped heads, `bhgid,bhjd->bhgij`)."""
     if not is_call(node, aten.einsum.default) or len(node.args[1]) != 2:
         return None
     plan = _einsum_plan(node.args[0])
     if plan is None:
         return None
-    left_order, right_order, out_order, swapped = plan
-    operands = node.args[1][::-1] if swapped else node.args[1]
+    operands = node.args[1][::-1] if plan.swapped else node.args[1]
     a, b = (
-        _permuted(ctx, operand, order)
-        for operand, order in zip(operands, (left_order, right_order), strict=True)
+        _unsqueezed(ctx, _permuted(ctx, operand, order), missing)
+        for operand, (order, missing) in zip(operands, plan.operands, strict=True)
     )
-    return _permuted(ctx, ctx.call(aten.matmul.default, a, b), out_order)
+    return _permuted(ctx, ctx.call(aten.matmul.default, a, b), plan.out_order)
 
 
-def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int], bool] | None:
-    """Permutations taking the operands to (batch..., m, k) and (batch..., k, n), the product
-    (batch..., m, n) to the output's letter order, and whether the operands swap places (so the
-    output's last letter is n); None if `equation` is not a batched matmul."""
+@dataclasses.dataclass(frozen=True)
+class EinsumPlan:
+    operands: tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
+    """Per operand (after the swap): the permutation taking it to (its batch dims..., m, k) or
+    (its batch dims..., k, n), and the batch positions where it gets a size-1 dim."""
+    out_order: list[int]
+    """The permutation taking the product (batch..., m, n) to the output's letter order."""
+    swapped: bool
+    """The operands swap places, so that the output's last free letter is n."""
+
+
+def _einsum_plan(equation: str) -> EinsumPlan | None:
+    """How `equation` is a batched matmul; None where it is not one: m and n are the last free
+    letters of each operand in the output, every other output letter a batch dim."""
     equation = equation.replace(" ", "")
     if "->" not in equation or "." in equation:
         return None
@@ -288,24 +298,36 @@ def _einsum_plan(equation: str) -> tuple[list[int], list[int], list[int], bool] 
     left, right = inputs.split(",")
     if any(len(set(s)) != len(s) for s in (left, right, out)):
         return None
-    batch = [c for c in out if c in left and c in right]
-    m = [c for c in out if c in left and c not in right]
-    n = [c for c in out if c in right and c not in left]
     k = [c for c in left if c in right and c not in out]
-    if len(m) != 1 or len(n) != 1 or len(k) != 1:
+    if len(k) != 1 or any(c not in out for c in left + right if c != k[0]):
         return None
-    if len(left) != len(batch) + 2 or len(right) != len(batch) + 2:
+    left_free = [c for c in out if c in left and c not in right]
+    right_free = [c for c in out if c in right and c not in left]
+    if not left_free or not right_free:
         return None
-    swapped = out.index(m[0]) > out.index(n[0])
+    m, n = left_free[-1], right_free[-1]
+    swapped = out.index(m) > out.index(n)
     if swapped:
         left, right, m, n = right, left, n, m
-    product = batch + m + n
-    return (
-        [left.index(c) for c in batch + m + k],
-        [right.index(c) for c in batch + k + n],
+    batch = [c for c in out if c not in (m, n)]
+
+    def operand(letters: str, tail: list[str]) -> tuple[list[int], list[int]]:
+        present = [c for c in batch if c in letters]
+        missing = [i for i, c in enumerate(batch) if c not in letters]
+        return [letters.index(c) for c in present + tail], missing
+
+    product = batch + [m, n]
+    return EinsumPlan(
+        (operand(left, [m, k[0]]), operand(right, [k[0], n])),
         [product.index(c) for c in out],
         swapped,
     )
+
+
+def _unsqueezed(ctx: RuleContext, node: Node, positions: list[int]) -> Node:
+    for position in positions:
+        node = ctx.call(aten.unsqueeze.default, node, position)
+    return node
 
 
 def _permuted(ctx: RuleContext, node: Node, order: list[int]) -> Node:

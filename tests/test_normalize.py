@@ -114,6 +114,10 @@ def test_rules_leave_spellings_that_differ_in_result_alone(fn, x):
         ("bhkd,bhqd->bhqk", [(2, 3, 6, 5), (2, 3, 4, 5)]),
         ("bqhd,bkhd->bhqk", [(2, 4, 3, 5), (2, 6, 3, 5)]),
         ("bhqk,bkhd->bqhd", [(2, 3, 4, 6), (2, 6, 3, 5)]),
+        ("bhgid,bhjd->bhgij", [(2, 3, 2, 4, 5), (2, 3, 6, 5)]),  # grouped query heads
+        ("bhgij,bhjd->bhgid", [(2, 3, 2, 4, 6), (2, 3, 6, 5)]),
+        ("bhjd,bhgid->bhgij", [(2, 3, 6, 5), (2, 3, 2, 4, 5)]),
+        ("bid,bjd->bij", [(2, 4, 5), (2, 6, 5)]),
     ],
 )
 def test_batched_matmul_einsum_becomes_matmul_with_the_same_values(equation, shapes):
@@ -126,7 +130,12 @@ def test_batched_matmul_einsum_becomes_matmul_with_the_same_values(equation, sha
 
 @pytest.mark.parametrize(
     "equation,shapes",
-    [("ii->i", [(3, 3)]), ("ij,ij->ij", [(3, 4), (3, 4)]), ("i,j->ij", [(3,), (4,)])],
+    [
+        ("ii->i", [(3, 3)]),
+        ("ij,ij->ij", [(3, 4), (3, 4)]),
+        ("i,j->ij", [(3,), (4,)]),
+        ("bij,cjk->bik", [(2, 3, 4), (5, 4, 6)]),  # c summed over one operand alone
+    ],
 )
 def test_other_einsums_stay(equation, shapes):
     inputs = [torch.randn(s) for s in shapes]

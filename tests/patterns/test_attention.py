@@ -111,6 +111,20 @@ def test_einsum_with_heads_second():
     fused(fn, [q, k, v])
 
 
+def test_einsum_over_grouped_query_heads():
+    """Query heads grouped per key head as a dim of their own (b h g i d): the keys and values
+    broadcast over the groups."""
+    groups = 2
+
+    def fn(q, k, v):
+        q = q.view(B, H, groups, LQ, D)
+        s = torch.einsum("b h g i d, b h j d -> b h g i j", q, k) * D**-0.5
+        return torch.einsum("b h g i j, b h j d -> b h g i d", s.softmax(-1), v)
+
+    q, k, v = qkv(heads=H * groups, kv_heads=H)
+    fused(fn, [q, k, v])
+
+
 def test_einsum_with_keys_first():
     def fn(q, k, v):
         s = torch.einsum("bhkd,bhqd->bhqk", k, q) * 0.3
