@@ -7,12 +7,14 @@ the scores' chain back to `q @ k^T`, where each link is a scale (multiply or div
 an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), an element-wise
 modification with constants, or a cast; straight on the product, a factor that is a tensor
 constant along the keys or the queries (a learned temperature), which q or k takes instead; on
-the matmul's operands, a constant scale on q or k. A boolean mask built by `tril`/`triu` of ones is
-recognized as causal and not read at all. `bmm`, `baddbmm` and `einsum` arrive here as `matmul`
-(see normalize.py). Reshapes that split or merge batch dimensions on either side of the softmax
-(heads flattened into the batch for `bmm`, split back out for a (B, 1, Lq, Lk) mask) are followed
-too: the fused op works in the softmax's batch dimensions, and q, k, v, the output and each bias
-or mask are reshaped into them.
+the matmul's operands, a constant scale on q or k. Masks are split into factors, and those the
+kernel computes from positions (causal, a window, a prefix, from comparisons of `arange`s or
+`tril`/`triu` of ones; document ids) are not read at all (`index_masks.py`); a bias by key -
+query is read per diagonal (`relative_bias.py`). `bmm`, `baddbmm` and `einsum` arrive here as
+`matmul` (see normalize.py). Reshapes that split or merge batch dimensions on either side of the
+softmax (heads flattened into the batch for `bmm`, split back out for a (B, 1, Lq, Lk) mask) are
+followed too: the fused op works in the softmax's batch dimensions, and q, k, v, the output and
+each bias or mask are reshaped into them.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.patterns.attention_masks import CASTS, constant, filled_triangle
+from seqcompile.patterns.attention_masks import CASTS, constant, filled_triangle, triangle
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.index_masks import (
     WHERE,
     Diagonal,
+    HalfPlane,
     Prefix,
     document_ids,
+    every_row_keeps,
     narrower,
     split_diagonal,
     whole_slice,
@@ -57,6 +61,19 @@ from seqcompile.patterns.score_mod import modified_operand, register_chain
 
 aten = torch.ops.aten
 FAMILY = "attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    """A tensor the product is multiplied (or divided) by before anything else, which q or k
+    takes instead: one constant along the keys scales q, one constant along the queries k."""
+
+    node: Node
+    """The product (or quotient) in the graph."""
+    tensor: Node
+    side: str
+    """"q" or "k"."""
+    divides: bool
 
 
 @dataclasses.dataclass
@@ -83,10 +100,8 @@ class Site:
     """With `causal`, a prefix LM's: every query also sees the keys before the prefix."""
     window: int = 0
     """A sliding window: query i sees keys j with i - j < window (0: none)."""
-    factors: list[tuple[Node, str, bool]] = dataclasses.field(default_factory=list)
-    """Tensors the product is multiplied (or divided, when the last is True) by before anything
-    else, with the operand ("q" or "k") each scales in the kernel's input instead (a learned
-    temperature)."""
+    factors: list[Factor] = dataclasses.field(default_factory=list)
+    """Tensors q or k takes in place of the product (a learned temperature)."""
     modified: tuple[Node, float] | None = None
     """The last element-wise modification of the scores before the biases and masks (a `tanh`),
     with the factor the scales after it apply."""
@@ -158,11 +173,12 @@ def _scale_factor(node: Node) -> tuple[Node, float] | None:
 
 
 Link = tuple
-"""One step from the q @ k^T product to the softmax: ("scale", c), ("factor", node, t, side,
-divides) for a product by (or quotient by) a tensor t that q or k can take instead, ("bias",
-node, sign), ("mask", node, keeps, value), ("shift",) for a constant added to every score,
-("cast",), ("batch", scores) for a reshape of the batch dimensions of `scores`, or ("mod", node)
-for another element-wise op on the scores alone (`tanh`)."""
+"""One step from the q @ k^T product to the softmax: ("scale", c), ("factor", Factor) for a
+product by (or quotient by) a tensor that q or k can take instead, ("bias", node, sign), ("mask",
+node, keeps, value), ("shift",) for a constant added to every score, ("cast",), ("batch",
+scores) for a reshape of the batch dimensions of `scores`, or ("mod", node) for another
+element-wise op on the scores alone (`tanh`). `_link` gives ("factor",) and ("add",) or ("sub",)
+for a product or sum of two tensors, which the walk reads on, finding which one is the scores."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
@@ -252,8 +268,8 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
         if fill is not None and fill <= CAUSAL_FILL:
             return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign, scores)]
     fill = filled_triangle(node, scores) if _is_float(node) else None
-    if fill is not None and fill <= CAUSAL_FILL:  # triu(full(-inf), 1): nn.Transformer's mask
-        return [("mask", node, False, fill)]
+    if fill is not None and fill <= CAUSAL_FILL and _keeps_a_key(node, fill, scores):
+        return [("mask", node, False, fill)]  # triu(full(-inf), 1): nn.Transformer's mask
     if is_call(node, *WHERE):
         cond, kept, filled = node.args[:3]
         for keeps, (term, value) in ((True, (kept, filled)), (False, (filled, kept))):
@@ -265,6 +281,16 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
             if fill <= ABSORBING_FILL and isinstance(term, Node) and _is_float(term):
                 return [("mask", cond, keeps, fill), *_bias_links(term, sign, scores)]
     return [("bias", bias, sign)]
+
+
+def _keeps_a_key(triangle_of_fills: Node, fill: float, scores: torch.Size) -> bool:
+    """Whether a triangle of a finite fill leaves every query a key: a query it fills on every
+    key sees eager's softmax of its scores plus the fill (or a uniform average, where they round
+    to it), not what a kernel skipping the triangle computes."""
+    planes = triangle(triangle_of_fills, False, scores)
+    if planes is None:
+        return False
+    return math.isinf(fill) or every_row_keeps([HalfPlane(*p) for p in planes], *scores[-2:])
 
 
 _SAME_VALUES = (
@@ -327,34 +353,50 @@ def _walk_factor(
 ) -> Node | Reject | None:
     """`scores * t` (or `scores / t`) with t a tensor constant along the keys (a learned
     temperature per head or per query, Swin V2's logit scale) or along the queries, straight on
-    the product (constant scales and casts between): the kernel reads q * t (or k * t) instead."""
-    refused = None
+    the product (constant scales, casts and other such factors between): the kernel reads q * t
+    (or k * t) instead."""
     divides = node.target is aten.div.Tensor
-    for above, factor in [operands] if divides else [operands, operands[::-1]]:
+    verb = "divided" if divides else "multiplied"
+    refused = None
+    for above, tensor in [operands] if divides else [operands, operands[::-1]]:
         found = _walk_scores(above, sub_links := [], sub_nodes := [])
         if not isinstance(found, Node):
             refused = refused or found
             continue
-        scores, shape = tensor_val(found).shape, tensor_val(factor).shape
+        scores, shape = tensor_val(found).shape, tensor_val(tensor).shape
         side = _factor_side(shape, scores)
+        between = [link[0] for link in sub_links if link[0] not in ("scale", "cast", "factor")]
         if side is None:
-            return Reject(
-                "the scores are {} by a tensor {} that varies along both queries and keys; the"
-                " kernel scales q or k",
-                "divided" if divides else "multiplied",
-                shape,
+            what = "varies along both queries and keys" if broadcasts_to(shape, scores) else (
+                f"does not broadcast to the scores {tuple(scores)}"
+            )  # fmt: skip
+            refused = Reject("the scores are {} by a tensor {} that {}", verb, shape, what)
+        elif between:
+            refused = Reject(
+                "the scores are {} by a tensor {} after {}; the kernel scales q or k, so only"
+                " before anything else",
+                verb, shape, _LINK_NAMES[between[0]],
+            )  # fmt: skip
+        elif tensor_val(found).dtype == torch.float16:
+            refused = Reject(
+                "the float16 scores are {} by a tensor; q or k scaled by it could overflow"
+                " float16 where the scores do not",
+                verb,
             )
-        if any(link[0] not in ("scale", "cast") for link in sub_links):
-            return Reject(
-                "the scores are {} by a tensor {} after a bias, mask or modification; the kernel"
-                " scales q or k before them",
-                "divided" if divides else "multiplied",
-                shape,
-            )
-        links += [("factor", node, factor, side, divides), *sub_links]
-        nodes += [node, *sub_nodes]
-        return found
+        else:
+            links += [("factor", Factor(node, tensor, side, divides)), *sub_links]
+            nodes += [node, *sub_nodes]
+            return found
     return refused
+
+
+_LINK_NAMES = {
+    "bias": "an added tensor",
+    "mask": "a mask",
+    "mod": "an element-wise modification",
+    "batch": "a reshape of the batch dims",
+    "shift": "a constant added",
+}
 
 
 def _factor_side(shape: torch.Size, scores: torch.Size) -> str | None:
@@ -450,7 +492,7 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     if isinstance(applied, Site) and applied.modified is not None:
         top, after = applied.modified
         chain = score_nodes[score_nodes.index(top) :][::-1]
-        key = register_chain(chain, qk, after, {t for t, _, _ in applied.factors})
+        key = register_chain(chain, qk, after, {f.node for f in applied.factors})
         if isinstance(key, Reject):
             return key
         applied.score_mod = key
@@ -509,7 +551,7 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
     frame = softmax
     for link in links:
         if link[0] == "factor":  # straight on the product: scales q or k, the kernel none
-            site.factors.append(link[2:])
+            site.factors.append(link[1])
             continue
         if site.modified is not None:
             if link[0] in ("bias", "mask"):
@@ -546,6 +588,8 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
             if diagonal.prefix is not None and not _same_batch(frame, softmax):
                 rest.append((diagonal.prefix.factor, diagonal.prefix.keeps))  # its own batch dims
                 diagonal = dataclasses.replace(diagonal, causal=False, prefix=None)
+            if math.isfinite(value) and not every_row_keeps(diagonal.planes(), *scores[-2:]):
+                diagonal, rest = Diagonal(), [(mask, keeps)]  # see _bias_links
             if diagonal.causal or diagonal.window:
                 rest += _take_diagonal(site, diagonal)
                 causal_fills.add(value)
@@ -574,10 +618,12 @@ def _check(site: Site) -> Reject | None:
         if k.dim() < 2:
             return Reject("the key operand of q @ k^T is 1-D")
         k = k.transpose(-1, -2)
-    for factor, side, _ in site.factors:
-        shape = _factor_on_rows(tensor_val(factor).shape, side)
-        if not broadcasts_to(shape, (q if side == "q" else k).shape):
-            return Reject("a factor {} of the scores would enlarge {} (its batch)", shape, side)
+    for factor in site.factors:
+        shape = _factor_on_rows(tensor_val(factor.tensor).shape, factor.side)
+        if not broadcasts_to(shape, (q if factor.side == "q" else k).shape):
+            return Reject(
+                "a factor {} of the scores would enlarge {} (its batch)", shape, factor.side
+            )
     if site.batch_of is not None:
         batch = tuple(tensor_val(site.batch_of).shape[:-2])
         if not all(_same_count(t.shape[:-2], batch) for t in (q, k, v)):
@@ -636,14 +682,16 @@ def _scaled(ctx: FuseContext, site: Site, operand: Node, side: str) -> Node:
     """`operand` (`site.q` or `site.k`) times the factors of the scores it takes, in its own
     dtype."""
     dtype = tensor_val(operand).dtype
-    for factor, factor_side, divides in site.factors:
-        if factor_side != side:
+    for factor in site.factors:
+        if factor.side != side:
             continue
-        for _ in range(2 - tensor_val(factor).dim()):
-            factor = ctx.call(aten.unsqueeze.default, factor, 0)
+        tensor = factor.tensor
+        for _ in range(2 - tensor_val(tensor).dim()):
+            tensor = ctx.call(aten.unsqueeze.default, tensor, 0)
         if side == "k" and not site.k_transposed:  # k is (..., Lk, D), the factor (..., 1, Lk)
-            factor = ctx.call(aten.transpose.int, factor, -2, -1)
-        operand = ctx.call(aten.div.Tensor if divides else aten.mul.Tensor, operand, factor)
+            tensor = ctx.call(aten.transpose.int, tensor, -2, -1)
+        product = aten.div.Tensor if factor.divides else aten.mul.Tensor
+        operand = ctx.call(product, operand, tensor)
         if tensor_val(operand).dtype != dtype:
             operand = ctx.call(aten.to.dtype, operand, dtype)
     return operand

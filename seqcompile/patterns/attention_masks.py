@@ -5,6 +5,7 @@ causal one, a sliding window's, or both for a band."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,13 +75,25 @@ def _filled(node: object) -> float | None:
     return constant(node.args[1]) if is_call(node, aten.full.default) else None
 
 
-def _same_block(value: torch.Tensor | None, scores: Sequence[Any]) -> bool:
-    """`value`'s last two dims are the scores' (Lq, Lk): nothing broadcast along them."""
+def _covers(value: torch.Tensor | None, scores: Sequence[Any]) -> bool:
+    """`value`'s last two dims hold the scores' (Lq, Lk) or more: nothing broadcast along
+    them."""
     return (
         value is not None
         and value.dim() >= 2
-        and statically_known_true(value.shape[-2] == scores[-2])
-        and statically_known_true(value.shape[-1] == scores[-1])
+        and statically_known_true(value.shape[-2] >= scores[-2])
+        and statically_known_true(value.shape[-1] >= scores[-1])
+    )
+
+
+def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """The last two dims of `a` and `b` are the same sizes."""
+    return (
+        a is not None
+        and b is not None
+        and min(a.dim(), b.dim()) >= 2
+        and statically_known_true(a.shape[-2] == b.shape[-2])
+        and statically_known_true(a.shape[-1] == b.shape[-1])
     )
 
 
@@ -88,17 +101,17 @@ def _top_left(node: Node, scores: Sequence[Any]) -> object:
     """Step through one view that keeps the (Lq, Lk) block a top-left block of its input: a
     reshape adding or dropping leading dims, a cast, or a slice from 0 of one of the last two dims
     (a top-left block of a triangle is a triangle). None for anything else."""
-    if not _same_block(tensor_val(node), scores):
+    value = tensor_val(node)
+    if not _covers(value, scores):
         return None
     if is_call(node, *SHAPE_VIEWS, aten.alias.default, *CASTS):
-        source = tensor_val(node.args[0])
-        return node.args[0] if _same_block(source, scores) else None
+        return node.args[0] if _same_rows(tensor_val(node.args[0]), value) else None
     if is_call(node, aten.slice.Tensor):
         source, dim = tensor_val(node.args[0]), arg(node, 1, "dim", 0)
         start, step = arg(node, 2, "start"), arg(node, 4, "step", 1)
         if source is not None and dim % source.dim() >= source.dim() - 2:
             return node.args[0] if start in (None, 0) and step == 1 else None
-        return node.args[0] if _same_block(source, scores) else None
+        return node.args[0] if _same_rows(source, value) else None
     return None
 
 
@@ -113,22 +126,32 @@ def triangle(mask: object, keeps: bool, scores: Sequence[Any]) -> list[tuple[boo
     intersection the boolean `mask` keeps, where it is a triangle: `tril(ones, d)` (kv - q <= d)
     or `triu(ones, d)` (kv - q >= d) where True keeps, or one of them of another such triangle
     (`ones.tril().triu(-w)`, a band), and a triangle of ones where True masks; through logical
-    negations, comparisons with 0 and views that keep it a top-left block. Each half-plane is
-    (upper, bound): kv - q <= bound when `upper`, kv - q >= bound otherwise. None for any other
-    mask."""
+    negations, comparisons with 0, products with a constant and views that keep it a top-left
+    block of the triangle. Each half-plane is (upper, bound): kv - q <= bound when `upper`, kv -
+    q >= bound otherwise. None for any other mask."""
+    return _planes(mask, keeps, scores, cast=False)
+
+
+def _planes(
+    mask: object, keeps: bool, scores: Sequence[Any], cast: bool
+) -> list[tuple[bool, int]] | None:
+    """`triangle`, with whether a cast lies above `mask` (it may make a constant 0: 0.5 to an
+    integer), so that only ones count as not 0 below it."""
     found = _to_triangle(mask, keeps, scores)
     if found is None:
         return None
-    node, keeps = found
+    node, keeps, cast_above = found
+    cast = cast or cast_above
     diagonal = arg(node, 1, "diagonal", 0)
     if not isinstance(diagonal, int):
         return None
     lower = is_call(node, aten.tril.default)  # keeps kv - q <= diagonal
-    if _filled(node.args[0]) not in (None, 0.0):  # (True: not 0)
+    fill = _filled(node.args[0])
+    if fill == 1.0 or (fill not in (None, 0.0) and not cast):
         if keeps:
             return [(lower, diagonal)]
         return [(False, diagonal + 1)] if lower else [(True, diagonal - 1)]
-    inner = triangle(node.args[0], True, scores) if keeps else None
+    inner = _planes(node.args[0], True, scores, cast) if keeps else None
     return None if inner is None else [(lower, diagonal), *inner]
 
 
@@ -140,31 +163,54 @@ def filled_triangle(node: object, scores: Sequence[Any]) -> float | None:
     if is_call(node, aten.mul.Tensor) and constant(node.args[1]) is not None:
         node, factor = node.args[0], constant(node.args[1])
     while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
+        if is_call(node, *CASTS) and not tensor_val(node).is_floating_point():
+            return None
         node = _top_left(node, scores)
-    if node is None or not _same_block(tensor_val(node), scores):
-        return None
+    if node is None or not _covers(tensor_val(node), scores) or not math.isfinite(factor):
+        return None  # (0 * inf is NaN, not 0)
     fill = _filled(node.args[0])
     return None if fill in (None, 0.0) else fill * factor
 
 
-def _to_triangle(node: object, keeps: bool, scores: Sequence[Any]) -> tuple[Node, bool] | None:
-    """The `tril` or `triu` of the scores' (Lq, Lk) block that `node` is, through negations,
-    comparisons with 0 and top-left views, with whether True keeps there."""
+def _to_triangle(
+    node: object, keeps: bool, scores: Sequence[Any]
+) -> tuple[Node, bool, bool] | None:
+    """The `tril` or `triu` that `node` is, holding the scores' (Lq, Lk) block at its top left,
+    through negations, comparisons with 0, products with a constant and top-left views: (it,
+    whether True keeps there, whether a cast lies between)."""
+    cast = False
     while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
+        value = tensor_val(node)
         source = tensor_val(node.args[0]) if node.args else None
+        same = _covers(value, scores) and _same_rows(source, value)
         if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
             keeps = keeps != is_call(node, aten.eq.Scalar)
-            node = node.args[0] if _same_block(source, scores) else None
-        elif is_call(node, aten.mul.Tensor) and constant(node.args[1]) not in (None, 0.0):
-            node = node.args[0] if _same_block(source, scores) else None  # (not 0 stays so)
+            node = node.args[0] if same else None
+        elif _nonzero_product(node):
+            node = node.args[0] if same else None
         elif is_call(node, aten.logical_not.default) or (
             is_call(node, aten.bitwise_not.default) and source is not None
             and source.dtype == torch.bool
         ):  # fmt: skip
             keeps = not keeps
-            node = node.args[0] if _same_block(source, scores) else None
+            node = node.args[0] if same else None
         else:
+            cast = cast or is_call(node, *CASTS)
             node = _top_left(node, scores)
-    if node is None or not _same_block(tensor_val(node), scores):
+    if node is None or not _covers(tensor_val(node), scores):
         return None
-    return node, keeps
+    return node, keeps, cast
+
+
+def _nonzero_product(node: Node) -> bool:
+    """`x * c` with c a finite constant other than 0, in floating point: 0 where x is 0 and not 0
+    elsewhere (an integer product may wrap to 0, and 0 * inf is NaN)."""
+    c = constant(node.args[1]) if is_call(node, aten.mul.Tensor) else None
+    value = tensor_val(node)
+    return (
+        c is not None
+        and c != 0
+        and math.isfinite(c)
+        and value is not None
+        and value.is_floating_point()
+    )

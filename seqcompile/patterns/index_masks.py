@@ -113,6 +113,25 @@ class Diagonal:
             return True
         return False
 
+    def planes(self) -> list[HalfPlane]:
+        """The half-planes it keeps (a prefix only widens causal's, so it is left out)."""
+        causal = [HalfPlane(True, 0)] if self.causal else []
+        return causal + ([HalfPlane(False, 1 - self.window)] if self.window else [])
+
+
+def every_row_keeps(planes: Sequence[HalfPlane], lq: object, lk: object) -> bool:
+    """Whether every one of Lq queries keeps a key of Lk in the intersection of `planes`: query
+    i keeps keys i + low <= j <= i + high, so high >= 0 (query 0), Lq - 1 + low <= Lk - 1 (the
+    last query) and low <= high."""
+    high = min((p.bound for p in planes if p.upper), default=None)
+    low = max((p.bound for p in planes if not p.upper), default=None)
+    return (
+        (high is None or high >= 0)
+        and (low is None or statically_known_true(lq + low <= lk))
+        and (high is None or low is None or low <= high)
+        and statically_known_true(lk >= 1)
+    )
+
 
 def narrower(window: int, other: int) -> int:
     """The narrower of two sliding windows (0: none)."""

@@ -142,7 +142,7 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
         return None
     dims = None
     for operand in [*node.args, *node.kwargs.values()]:
-        inner = _kept_if_read(operand, lq, lk, found, positional)
+        inner = _tentative_dims(operand, lq, lk, found, positional)
         if inner is None and tensor_val(operand) is not None:
             continue  # read no position by position: below, it must be constant along them
         if inner is None:
@@ -168,7 +168,7 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
     return dims
 
 
-def _kept_if_read(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
+def _tentative_dims(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
     """`_dims(node)`, leaving `found` as it was where that is None: an operand computed from an
     `arange` of something else (ALiBi's slopes from the head numbers) is then judged by its
     shape alone, and what its graph recorded on the way must not be run again per diagonal."""

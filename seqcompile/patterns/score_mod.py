@@ -47,13 +47,12 @@ def _unknown(value: object) -> bool:
 
 
 def register_chain(
-    chain: Sequence[Node], scores: Node, after: float, factors: Collection[Node] = ()
+    chain: Sequence[Node], scores: Node, after: float, passed: Collection[Node] = ()
 ) -> str | Reject:
     """The key of `after * chain(x)`, the nodes of `chain` (from the product `scores` up, each
-    reading the one before) run on x in place of `scores`; a product by one of the tensors
-    `factors` passes its scores on (q or k takes the factor instead). A Reject where it cannot be
-    traced or printed."""
-    passed = {n for n in chain if any(a in factors for a in n.args)}
+    reading the one before) run on x in place of `scores`; a node of `passed` (a product by a
+    tensor q or k takes instead) passes its scores on. A Reject where it cannot be traced or
+    printed."""
 
     def g(x: Tensor) -> Tensor:
         values: dict[Node, Tensor] = {scores: x}

@@ -431,6 +431,8 @@ class LearnedFactor(torch.nn.Module):
         ((H, 1, 1), lambda s, t: 5.0 * torch.tanh(s * t / 5.0), True),
         ((), lambda s, t: s / t, False),  # GPT-J's scale_attn as a buffer
         ((H, 1, 1), lambda s, t: 5.0 * torch.tanh(s / t / 5.0), True),
+        ((H, 1, 1), lambda s, t: s * t / t.sum(), False),  # two factors
+        ((LQ, 1), lambda s, t: torch.sigmoid(t @ torch.ones(1, 1)) * s, False),  # a gate first
     ],
     ids=[
         "per_head",
@@ -440,6 +442,8 @@ class LearnedFactor(torch.nn.Module):
         "inside_a_cap",
         "divided",
         "cap_of_a_quotient",
+        "two_factors",
+        "gate_from_a_matmul",
     ],
 )
 def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
@@ -453,9 +457,10 @@ def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
     "multiply, what",
     [
         (lambda s, t, bias: s * t, "varies along both queries and keys"),
-        (lambda s, t, bias: (s + bias) * t[..., :1], "after a bias, mask or modification"),
+        (lambda s, t, bias: (s + bias) * t[..., :1], "after an added tensor"),
+        (lambda s, t, bias: s * t[..., :1].expand(3, B, 1, LQ, 1), "does not broadcast"),
     ],
-    ids=["per_score", "after_a_bias"],
+    ids=["per_score", "after_a_bias", "more_batch_dims"],
 )
 def test_a_factor_the_kernel_cannot_move_to_q_or_k_is_refused(multiply, what):
     factor, bias = torch.rand(B, 1, LQ, LK) + 0.5, torch.randn(B, 1, LQ, LK)
@@ -464,6 +469,24 @@ def test_a_factor_the_kernel_cannot_move_to_q_or_k_is_refused(multiply, what):
         return softmax_v(multiply(scores(q, k), factor, bias), v)
 
     check_fusion(fn, [*qkv(), factor], counts={"attention": 0}, missed=[what])
+
+
+def test_a_factor_of_float16_scores_stays_on_the_scores():
+    """q / t in float16 can overflow where (q @ k^T) / t does not (q of 300, t of 0.01)."""
+
+    def fn(q, k, v, t):
+        return (q @ k.transpose(-1, -2) / t).float().softmax(-1).half() @ v
+
+    q, k, v = qkv(dtype=torch.float16)
+    with torch.no_grad():
+        q.mul_(300)
+    check_fusion(
+        fn,
+        [q, k, v, torch.full((H, 1, 1), 0.01)],
+        counts={"attention": 0},
+        missed=["could overflow float16"],
+        dtype=torch.float16,
+    )
 
 
 def alibi(heads=H, length=10):
@@ -1169,6 +1192,49 @@ def test_a_mask_compared_with_zero_is_split_into_its_factors():
     assert forward_kernel_key(report) == kernel_flags(causal=True, mask=True)
     (line,) = report.sites
     assert f"reads a mask ({B}, 1, 1, {LQ})" in line, line
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda s, n: s.masked_fill(~ones(16).tril()[:n, :n], -math.inf),
+        lambda s, n: s.masked_fill(~ones(16, rows=n).tril()[..., :n], -math.inf),
+        lambda s, n: s.masked_fill(torch.ones(n, n).tril() * 3.0 == 0, -1e9),
+    ],
+    ids=["top_left_block", "top_left_columns", "times_a_constant"],
+)
+def test_a_top_left_block_of_a_triangle_is_causal(apply):
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
+    assert forward_kernel_key(report) == kernel_flags(causal=True)
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda s, n: s.masked_fill(torch.full((n, n), 0.5).tril().long() == 0, -1e9),  # all 0
+        lambda s, n: s.masked_fill(ones(n).to(torch.int16).tril() * 65536 == 0, -1e9),  # wraps
+        lambda s, n: s.masked_fill(torch.ones(n, n).tril() * math.inf == 0, -1e9),  # 0 * inf
+    ],
+    ids=["cast_to_zero", "integer_wrap", "times_inf"],
+)
+def test_a_triangle_whose_ones_a_cast_or_product_may_zero_is_read_as_a_mask(apply):
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
+    assert forward_kernel_key(report) == kernel_flags(mask=True)
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda s: s.masked_fill(~torch.ones(8, 5, dtype=torch.bool).tril().triu(-2), -1e9),
+        lambda s: s + torch.full((8, 5), -1e9).tril(-3),
+    ],
+    ids=["band", "float_triangle"],
+)
+def test_a_window_that_leaves_a_query_no_key_under_a_finite_fill_is_read_as_a_mask(apply):
+    """8 queries, 5 keys and a window of 3: the last queries see no key, so eager averages
+    them over every key at the fill, which a kernel skipping the window's keys cannot."""
+    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k)), v), qkv(8, 5))
+    assert not forward_kernel_key(report)["window"]
 
 
 @pytest.mark.parametrize(
