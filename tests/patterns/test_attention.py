@@ -811,6 +811,13 @@ def clamped_causal(q, k, v, lengths, pad):
     return softmax_v(scores(q, k).clamp(-2, 2).masked_fill(kv_idx > q_idx, -math.inf), v)
 
 
+def capped_window(q, k, v, lengths, pad):
+    """Mistral's window and Gemma 2's cap, with the padding read per key."""
+    q_idx, kv_idx = positions(q.shape[-2])
+    keep = (kv_idx <= q_idx) & (kv_idx > q_idx - 6) & pad
+    return softmax_v(torch.where(keep, 30.0 * torch.tanh(scores(q, k) / 30.0), MIN), v)
+
+
 def packed_documents(q, k, v, lengths, pad):
     q_idx, kv_idx = positions(q.shape[-2])
     doc = three_documents()
@@ -823,11 +830,12 @@ def packed_documents(q, k, v, lengths, pad):
     [
         lambda: prefix_lm,
         lambda: clamped_causal,
+        lambda: capped_window,
         lambda: packed_documents,
         lambda: DistanceAlibi(),
         lambda: T5Attention(bidirectional=False),
     ],
-    ids=["prefix_lm", "clamp", "documents", "alibi_by_distance", "t5_buckets"],
+    ids=["prefix_lm", "clamp", "capped_window", "documents", "alibi_by_distance", "t5_buckets"],
 )
 def test_nothing_of_the_scores_size_is_kept_for_the_backward(build):
     """What the kernel computes from positions, ids or a diagonal's values is never built at
