@@ -69,15 +69,19 @@ def written_through_a_view(node: Node) -> bool:
 def computed_from_written(node: Node) -> bool:
     """Whether `node`, or a value it is computed from, shares memory an in-place op writes: its
     value is then not what its computation alone says."""
+    written: set[Node] = set()
+    for user in node.graph.nodes:
+        if writes_in_place(user) and isinstance(user.args[0], Node) and user.args[0] not in written:
+            same, views = _family(user.args[0])
+            written |= same | views
+    if not written:  # (most graphs)
+        return False
     seen, stack = set(), [node]
     while stack:
         current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        same, views = _family(current)
-        members = same | views
-        if any(writes_in_place(u) and u.args[0] is m for m in members for u in m.users):
+        if current in written:
             return True
-        stack.extend(current.all_input_nodes)
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
     return False
