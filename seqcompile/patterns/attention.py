@@ -244,11 +244,11 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     added bias is split into the terms it sums, and a term that is 0 where a mask keeps and at
     most `CAUSAL_FILL` elsewhere (Hugging Face's eager masks, `where(mask, 0, finfo.min)`, and a
     triangle filled so, `triu(full(-inf), 1)`) is read as that mask filling its value, and a bias
-    filled so (`masked_fill(bias, mask, finfo.min)`,
-    `where(mask, bias, finfo.min)`) as the mask and the bias:
-    in float32 a score plus finfo.min is finfo.min, and either way the key adds nothing to a row
-    that keeps one. A term of zeros that broadcasts to the `scores` (T5's cross-attention position
-    bias) adds nothing. The fills come first, as the kernel fills after it adds the biases."""
+    filled so (`masked_fill(bias, mask, finfo.min)`, `where(mask, bias, finfo.min)`) as the mask
+    and the bias: in float32 a score plus finfo.min is finfo.min, and either way the key adds
+    nothing to a row that keeps one. A term of zeros that broadcasts to the `scores` (T5's
+    cross-attention position bias) adds nothing. The fills come first, as the kernel fills after
+    it adds the biases."""
     if computed_from_written(bias):  # its computation misses the write: read it as it is
         return [("bias", bias, sign)]
     node = bias

@@ -143,8 +143,7 @@ def split_diagonal(
 ) -> tuple[Diagonal, list[tuple[Node, bool]]]:
     """The causal triangle and sliding window among `mask`'s factors (for the shape `scores`,
     its last two dims: `tril` of ones, a band `ones.tril().triu(1 - w)`, `kv_idx <= q_idx`,
-    `kv_idx > q_idx - w`), and the other
-    factors, less those that keep every score."""
+    `kv_idx > q_idx - w`), and the other factors, less those that keep every score."""
     diagonal, rest, prefixes = Diagonal(), [], []
     split = factors(mask, keeps)
     runs = _position_runs(split)

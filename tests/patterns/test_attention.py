@@ -1125,8 +1125,20 @@ def scores(q, k):
         lambda s, n: s.masked_fill((~torch.tril(torch.ones(n, n, dtype=torch.long))).bool(), MIN),
         # one row of the triangle broadcast over every query keeps key 0 only
         lambda s, n: s.masked_fill(torch.tril(torch.ones(n, n, dtype=torch.bool))[:1] == 0, -1e9),
+        # ones a cast or a product makes 0 (or NaN): 0.5 as an integer, int16 wrapping, 0 * inf
+        lambda s, n: s.masked_fill(torch.full((n, n), 0.5).tril().long() == 0, -1e9),
+        lambda s, n: s.masked_fill(torch.ones(n, n, dtype=torch.int16).tril() * 65536 == 0, -1e9),
+        lambda s, n: s.masked_fill(torch.ones(n, n).tril() * math.inf == 0, -1e9),
     ],
-    ids=["zero_fill", "positive_fill", "integer_bitwise_not", "one_row_broadcast"],
+    ids=[
+        "zero_fill",
+        "positive_fill",
+        "integer_bitwise_not",
+        "one_row_broadcast",
+        "cast_to_zero",
+        "integer_wrap",
+        "times_inf",
+    ],
 )
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
@@ -1214,20 +1226,6 @@ def test_a_mask_compared_with_zero_is_split_into_its_factors():
 def test_a_top_left_block_of_a_triangle_is_causal(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
     assert forward_kernel_key(report) == kernel_flags(causal=True)
-
-
-@pytest.mark.parametrize(
-    "apply",
-    [
-        lambda s, n: s.masked_fill(torch.full((n, n), 0.5).tril().long() == 0, -1e9),  # all 0
-        lambda s, n: s.masked_fill(ones(n).to(torch.int16).tril() * 65536 == 0, -1e9),  # wraps
-        lambda s, n: s.masked_fill(torch.ones(n, n).tril() * math.inf == 0, -1e9),  # 0 * inf
-    ],
-    ids=["cast_to_zero", "integer_wrap", "times_inf"],
-)
-def test_a_triangle_whose_ones_a_cast_or_product_may_zero_is_read_as_a_mask(apply):
-    report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
-    assert forward_kernel_key(report) == kernel_flags(mask=True)
 
 
 @pytest.mark.parametrize(
