@@ -89,6 +89,9 @@ class MemoryPlan:
 class CompileReport:
     counts: Counter[str] = dataclasses.field(default_factory=Counter)
     missed: list[Missed] = dataclasses.field(default_factory=list)
+    refuted: list[Missed] = dataclasses.field(default_factory=list)
+    """Readings of a mask or bias from its code that evaluating the code refuted: the site reads
+    that tensor as it is instead."""
     kernels: list[KernelUse] = dataclasses.field(default_factory=list)
     memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
     graphs: list[str] = dataclasses.field(default_factory=list)
@@ -117,6 +120,7 @@ class CompileReport:
         self.sites = [v for v in self.sites if v.split(" ", 1)[0] not in gone]
         self.counts.update(other.counts)
         self.missed.extend(other.missed)
+        self.refuted.extend(other.refuted)
         for kernel in other.kernels:
             self.add_kernel(kernel)
         self.memory.extend(other.memory)
@@ -134,6 +138,9 @@ class CompileReport:
             lines.append("  (none)")
         lines += ["", "recognized but not fused:"]
         lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
+        if self.refuted:
+            lines += ["", "readings refuted by evaluating the model's code (read as tensors):"]
+            lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.refuted]
         lines += ["", "generated kernels (those the compiled graphs launch):"]
         lines += _kernel_lines(self.kernels) or ["  (none)"]
         if self.sites:

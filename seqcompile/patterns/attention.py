@@ -27,7 +27,6 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile import runtime
-from seqcompile.fx_aliasing import computed_from_written
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
@@ -43,7 +42,21 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.patterns.attention_masks import CASTS, constant, filled_triangle, triangle
+from seqcompile.patterns.attention_claims import (
+    REFUTED,
+    Claim,
+    FillClaim,
+    RelativeClaim,
+    read_as_is,
+    refutations,
+)
+from seqcompile.patterns.attention_masks import (
+    CASTS,
+    constant,
+    dtype_of,
+    filled_triangle,
+    triangle,
+)
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.index_masks import (
     WHERE,
@@ -58,6 +71,7 @@ from seqcompile.patterns.index_masks import (
 )
 from seqcompile.patterns.relative_bias import RelativeBias, per_diagonal, read_relative
 from seqcompile.patterns.score_mod import modified_operand, register_chain
+from seqcompile.report import Missed
 
 aten = torch.ops.aten
 FAMILY = "attention"
@@ -120,6 +134,9 @@ class Site:
     frames: dict[Node, Node] = dataclasses.field(default_factory=dict)
     """Biases and masks applied to the scores where their batch dimensions are others than the
     softmax's, with the scores there."""
+    claims: list[Claim] = dataclasses.field(default_factory=list)
+    """What the reading concluded about masks and biases from their code, to be checked against
+    it (`attention_claims.py`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +164,7 @@ def _read_sdpa(node: Node) -> Site | Reject | None:
             scores = (tensor_val(q).shape[-2], tensor_val(k).shape[-2])
             diagonal, rest = _read_mask(attn_mask, True, scores)
             site.keep += rest + _take_diagonal(site, diagonal)
+            site.claims += diagonal.claims
             site.masked_value = -math.inf
         else:  # added to the scaled scores: its terms read as a written-out bias's
             lk = tensor_val(k).shape[-2]
@@ -177,8 +195,9 @@ Link = tuple
 product by (or quotient by) a tensor that q or k can take instead, ("bias", node, sign), ("mask",
 node, keeps, value), ("shift",) for a constant added to every score, ("cast",), ("batch",
 scores) for a reshape of the batch dimensions of `scores`, or ("mod", node) for another
-element-wise op on the scores alone (`tanh`). `_link` gives ("factor",) and ("add",) or ("sub",)
-for a product or sum of two tensors, which the walk reads on, finding which one is the scores."""
+element-wise op on the scores alone (`tanh`), or ("claim", Claim) for what the reading of a bias
+concluded from its code (to be checked). `_link` gives ("factor",) and ("add",) or ("sub",) for a
+product or sum of two tensors, which the walk reads on, finding which one is the scores."""
 
 CAUSAL_FILL = -1e4
 """A triangle filled with at most this value is read as causal (the kernel skips what it hides):
@@ -220,16 +239,17 @@ def _link(node: Node) -> tuple[Link, list[Node]] | Reject | None:
             return ("add" if node.target is aten.add.Tensor else "sub",), tensors
         return None
     if is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        value = constant(node.args[2])
+        value = constant(node.args[2], dtype_of(node))  # (as the scores hold it)
         if value is None:
             return Reject("masked_fill with a tensor value; the kernel fills with a constant")
         return ("mask", node.args[1], False, value), [node.args[0]]
     if is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
         cond, a, b = node.args[:3]
-        if constant(b) is not None and isinstance(a, Node):
-            return ("mask", cond, True, constant(b)), [a]
-        if constant(a) is not None and isinstance(b, Node):
-            return ("mask", cond, False, constant(a)), [b]
+        ca, cb = constant(a, dtype_of(node)), constant(b, dtype_of(node))
+        if cb is not None and isinstance(a, Node):
+            return ("mask", cond, True, cb), [a]
+        if ca is not None and isinstance(b, Node):
+            return ("mask", cond, False, ca), [b]
         return Reject("where() between two tensors on the scores; the kernel fills a constant")
     scores = modified_operand(node)
     if scores is not None:
@@ -249,37 +269,41 @@ def _bias_links(bias: Node, sign: float, scores: torch.Size) -> list[Link]:
     nothing to a row that keeps one. A term of zeros that broadcasts to the `scores` (T5's
     cross-attention position bias) adds nothing. The fills come first, as the kernel fills after
     it adds the biases."""
-    if computed_from_written(bias):  # its computation misses the write: read it as it is
-        return [("bias", bias, sign)]
     node = bias
-    while is_call(node, *_SAME_VALUES) or whole_slice(node):
+    while not read_as_is(node) and (is_call(node, *_SAME_VALUES) or whole_slice(node)):
         node = node.args[0]
-    if _zeros(node) and broadcasts_to(tensor_val(node).shape, scores):
-        return []
-    if sign < 0:
+    if read_as_is(node) or sign < 0:  # (an in-place write, a refuted reading: as it is)
         return [("bias", bias, sign)]
+    if _zeros(node) and broadcasts_to(tensor_val(node).shape, scores):
+        return [("claim", FillClaim(node, "zeros"))]
     if is_call(node, aten.add.Tensor) and arg(node, 2, "alpha", 1) == 1:
         terms = node.args[:2]
         if all(isinstance(t, Node) and tensor_val(t).is_floating_point() for t in terms):
             links = [link for t in terms for link in _bias_links(t, sign, scores)]
             return sorted(links, key=lambda link: link[0] != "mask")
     if is_call(node, aten.masked_fill.Scalar) and isinstance(node.args[0], Node):
-        fill = constant(node.args[2])
+        term, mask, fill = node.args[0], node.args[1], constant(node.args[2], dtype_of(node))
         if fill is not None and fill <= CAUSAL_FILL:
-            return [("mask", node.args[1], False, fill), *_bias_links(node.args[0], sign, scores)]
+            reading = f"{describe(term)} filled with {fill:g}"
+            claim = FillClaim(node, reading, mask, False, fill, term)
+            return [("claim", claim), ("mask", mask, False, fill), *_bias_links(term, sign, scores)]
     fill = filled_triangle(node, scores) if _is_float(node) else None
     if fill is not None and fill <= CAUSAL_FILL and _keeps_a_key(node, fill, scores):
-        return [("mask", node, False, fill)]  # triu(full(-inf), 1): nn.Transformer's mask
+        claim = FillClaim(node, f"a triangle filled with {fill:g}", node, False, fill)
+        return [("claim", claim), ("mask", node, False, fill)]  # nn.Transformer's mask
     if is_call(node, *WHERE):
         cond, kept, filled = node.args[:3]
         for keeps, (term, value) in ((True, (kept, filled)), (False, (filled, kept))):
-            fill = constant(value)
+            fill = constant(value, dtype_of(node))
             if fill is None or fill > CAUSAL_FILL:
                 continue
-            if constant(term) == 0.0:
-                return [("mask", cond, keeps, fill)]
+            reading = f"a mask filling {fill:g}"
+            mask = ("mask", cond, keeps, fill)
+            if constant(term, dtype_of(node)) == 0.0:
+                return [("claim", FillClaim(node, reading, cond, keeps, fill)), mask]
             if fill <= ABSORBING_FILL and isinstance(term, Node) and _is_float(term):
-                return [("mask", cond, keeps, fill), *_bias_links(term, sign, scores)]
+                claim = FillClaim(node, f"{describe(term)} and {reading}", cond, keeps, fill, term)
+                return [("claim", claim), mask, *_bias_links(term, sign, scores)]
     return [("bias", bias, sign)]
 
 
@@ -311,7 +335,9 @@ def _zeros(node: Node) -> bool:
     """A tensor of zeros made in the graph."""
     if is_call(node, aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default):
         return True
-    return is_call(node, *_FILL_ARGUMENT) and constant(node.args[_FILL_ARGUMENT[node.target]]) == 0
+    if not is_call(node, *_FILL_ARGUMENT):
+        return False
+    return constant(node.args[_FILL_ARGUMENT[node.target]], dtype_of(node)) == 0
 
 
 def _walk_scores(node: Node, links: list[Link], nodes: list[Node]) -> Node | Reject | None:
@@ -507,7 +533,7 @@ def _read_mask(mask: Node, keeps: bool, scores: tuple) -> tuple[Diagonal, list[t
     """What the kernel computes of a boolean mask and its factors to read (`split_diagonal`); the
     whole mask where an in-place op writes what it is computed from (`m[:, :5] = True` after a
     `tril`), which its computation alone would miss."""
-    if computed_from_written(mask):
+    if read_as_is(mask):
         return Diagonal(), [(mask, keeps)]
     return split_diagonal(mask, keeps, scores)
 
@@ -550,6 +576,9 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
     values, causal_fills, bias_seen = set(), set(), False
     frame = softmax
     for link in links:
+        if link[0] == "claim":
+            site.claims.append(link[1])
+            continue
         if link[0] == "factor":  # straight on the product: scales q or k, the kernel none
             site.factors.append(link[1])
             continue
@@ -590,6 +619,7 @@ def _apply_links(site: Site, links: list[Link], scores: torch.Size, softmax: Nod
                 diagonal = dataclasses.replace(diagonal, causal=False, prefix=None)
             if math.isfinite(value) and not every_row_keeps(diagonal.planes(), *scores[-2:]):
                 diagonal, rest = Diagonal(), [(mask, keeps)]  # see _bias_links
+            site.claims += diagonal.claims
             if diagonal.causal or diagonal.window:
                 rest += _take_diagonal(site, diagonal)
                 causal_fills.add(value)
@@ -751,10 +781,11 @@ def _take_relative(site: Site) -> None:
     lq = tensor_val(site.q).shape[-2]
     lk = tensor_val(site.k).shape[-1 if site.k_transposed else -2]
     for bias, factor in list(site.biases):
-        computed = bias not in site.frames and not computed_from_written(bias)
+        computed = bias not in site.frames and not read_as_is(bias)
         relative = read_relative(bias, lq, lk) if computed else None
         if relative is not None:
             site.relative.append((relative, factor))
+            site.claims.append(RelativeClaim(bias))
             site.biases.remove((bias, factor))
 
 
@@ -788,7 +819,7 @@ def _take_documents(site: Site) -> None:
     if site.masked_value is not None and site.masked_value > CAUSAL_FILL:
         return
     for factor, keeps in site.keep:
-        computed = factor not in site.frames and not computed_from_written(factor)
+        computed = factor not in site.frames and not read_as_is(factor)
         ids = document_ids(factor, keeps) if computed else None
         if ids is not None:
             site.documents = ids
@@ -843,15 +874,30 @@ def _rewrite(site: Site, name: str) -> Rewrite:
     return apply
 
 
+def _read(node: Node) -> Site | Reject | None:
+    site = _read_sdpa(node)
+    if site is None:
+        site = _read_written_out(node)
+    if site is None or isinstance(site, Reject):
+        return site
+    _take_documents(site)
+    _take_relative(site)
+    return site
+
+
 class AttentionPattern:
     family = FAMILY
 
     def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
-        site = _read_sdpa(node)
-        if site is None:
-            site = _read_written_out(node)
+        site = _read(node)
+        while isinstance(site, Site):
+            refuted = refutations(site.claims, ctx.evaluator)
+            if not refuted:
+                break
+            for claim, reason in refuted:  # read again, those nodes as the tensors they are
+                claim.node.meta[REFUTED] = reason
+                ctx.report.refuted.append(Missed(site_name(site.out), FAMILY, reason))
+            site = _read(node)
         if site is None or isinstance(site, Reject):
             return site
-        _take_documents(site)
-        _take_relative(site)
         return _check(site) or _rewrite(site, site_name(site.out))

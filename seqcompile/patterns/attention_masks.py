@@ -20,14 +20,26 @@ CASTS = (aten.to.dtype,)
 SHAPE_VIEWS = (aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default)
 
 
-def constant(node: object) -> float | None:
+def constant(node: object, dtype: torch.dtype | None = None) -> float | None:
     """A Python number, or a 0-d tensor made from one in the graph (`torch.tensor(min)`), at the
-    value it holds in its dtype (casts applied: 300 cast to uint8 is 44, 2.5 to int64 is 2)."""
+    value it holds in its dtype (casts applied: 300 cast to uint8 is 44, 2.5 to int64 is 2), and
+    then in `dtype`, where given: that of the op that takes it (`masked_fill` of a boolean tensor
+    with -inf writes True, 1)."""
     value = _constant_before_dtype(node)
     fake = tensor_val(node)
-    if value is None or fake is None:
-        return value
-    return float(torch.tensor(value, dtype=torch.float64).to(fake.dtype).item())
+    if value is not None and fake is not None:
+        value = _in_dtype(value, fake.dtype)
+    return value if value is None or dtype is None else _in_dtype(value, dtype)
+
+
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
+
+
+def dtype_of(node: object) -> torch.dtype | None:
+    """The dtype of the tensor `node` computes (None for anything else)."""
+    value = tensor_val(node)
+    return value.dtype if value is not None else None
 
 
 def _constant_before_dtype(node: object) -> float | None:
@@ -62,17 +74,19 @@ def _ones(node: object) -> bool:
     node = _peel_views(node)
     if is_call(node, aten.ones.default, aten.ones_like.default):
         return True
-    return is_call(node, aten.full.default) and constant(node.args[1]) == 1.0
+    return is_call(node, aten.full.default) and constant(node.args[1], dtype_of(node)) == 1.0
 
 
 def _filled(node: object) -> float | None:
-    """c where every element of `node` is the constant c: ones (through views and casts), or
-    `full(c)` (through views)."""
+    """c where every element of `node` is the constant c (in `full`'s dtype: `full(-inf,
+    dtype=bool)` holds True): ones (through views and casts), or `full(c)` (through views)."""
     if _ones(node):
         return 1.0
     while is_call(node, *SHAPE_VIEWS, aten.slice.Tensor, aten.alias.default):
         node = node.args[0]
-    return constant(node.args[1]) if is_call(node, aten.full.default) else None
+    if not is_call(node, aten.full.default):
+        return None
+    return constant(node.args[1], dtype_of(node))
 
 
 def _covers(value: torch.Tensor | None, scores: Sequence[Any]) -> bool:

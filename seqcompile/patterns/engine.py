@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch.fx import GraphModule, Node
 
+from seqcompile.fx_evaluate import Evaluator
 from seqcompile.fx_utils import (
     depends_on,
     in_layout_of,
@@ -80,6 +81,11 @@ class FuseContext:
     captured: frozenset[str] = dataclasses.field(init=False)
     """Names of the nodes the graph had before this stage: the anchors that name a site the same
     way in every compile of the graph, whichever other sites were fused."""
+    evaluator: Evaluator = dataclasses.field(
+        default_factory=lambda: Evaluator(torch.Generator().manual_seed(0))
+    )
+    """Evaluates the graph's values on random inputs, for checking what a pattern reads from the
+    code that computes a value (its own generator: torch's is left as it was)."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
     _streams: int = 0
 

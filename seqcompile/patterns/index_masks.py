@@ -29,6 +29,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, tensor_val, val
+from seqcompile.patterns.attention_claims import KeepClaim, read_as_is
 from seqcompile.patterns.attention_masks import constant, is_causal, triangle
 
 aten = torch.ops.aten
@@ -80,6 +81,13 @@ class HalfPlane:
     def complement(self) -> HalfPlane:
         return HalfPlane(not self.upper, self.bound + 1 if self.upper else self.bound - 1)
 
+    def __str__(self) -> str:
+        if self.causal:
+            return "causal"
+        if not self.upper and self.bound <= 0:
+            return f"a sliding window of {1 - self.bound} keys"
+        return f"the keys with kv - q {'<=' if self.upper else '>='} {self.bound}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
@@ -102,6 +110,8 @@ class Diagonal:
     causal: bool = False
     window: int = 0
     prefix: Prefix | None = None
+    claims: list[KeepClaim] = dataclasses.field(default_factory=list)
+    """What its reading concludes of the mask factors it was read from, to be checked."""
 
     def add(self, plane: HalfPlane) -> bool:
         """Take `plane` in, where the kernel can compute it."""
@@ -147,19 +157,35 @@ def split_diagonal(
     diagonal, rest, prefixes = Diagonal(), [], []
     split = factors(mask, keeps)
     runs = _position_runs(split)
+    documents = tuple(f for f in split if document_ids(*f) is not None)
+
+    def claim(factor: Node, keeps: bool, reading: str, **read: Any) -> None:
+        diagonal.claims.append(KeepClaim(factor, keeps, tuple(scores), reading, **read))
+
     for factor, factor_keeps in split:
-        if keeps_all(factor, factor_keeps, scores[-2], scores[-1]):
-            continue
-        prefix = prefix_of(factor, factor_keeps, scores)
-        if prefix is not None:
+        if read_as_is(factor):
+            rest.append((factor, factor_keeps))
+        elif keeps_all(factor, factor_keeps, scores[-2], scores[-1]):
+            claim(factor, factor_keeps, "keeping every score")
+        elif (prefix := prefix_of(factor, factor_keeps, scores)) is not None:
             prefixes.append(prefix)
-            continue
-        plane = half_plane(factor, factor_keeps, scores[-2], scores[-1], runs)
-        if plane is not None and diagonal.add(plane):
-            continue
-        planes = triangle(factor, factor_keeps, scores)
-        if planes is None or not all([diagonal.add(HalfPlane(*p)) for p in planes]):
-            rest.append((factor, factor_keeps))  # (what it implies of the diagonal taken too)
+            reading = "causal after a prefix"
+            claim(factor, factor_keeps, reading, planes=(HalfPlane(True, 0),), prefix=prefix)
+        elif (plane := half_plane(factor, factor_keeps, *scores[-2:], runs)) and diagonal.add(
+            plane
+        ):
+            by_documents = half_plane(factor, factor_keeps, *scores[-2:]) is None
+            reading = f"{plane} within each document" if by_documents else str(plane)
+            claim(factor, factor_keeps, reading, planes=(plane,), within=documents * by_documents)
+        else:
+            planes = [HalfPlane(*p) for p in triangle(factor, factor_keeps, scores) or ()]
+            taken = tuple(p for p in planes if diagonal.add(p))
+            if len(taken) < len(planes) or not planes:
+                rest.append((factor, factor_keeps))  # (what it implies of the diagonal taken too)
+            if taken:  # the factor keeps what the planes taken keep, and (if read) no more
+                within = () if len(taken) == len(planes) else ((factor, factor_keeps),)
+                reading = " and ".join(map(str, taken))
+                claim(factor, factor_keeps, reading, planes=taken, within=within)
     if prefixes and not diagonal.causal:  # (with causal, what a prefix adds is hidden anyway)
         if not diagonal.window:  # the kernel widens causal by one prefix, without a window
             diagonal.causal, diagonal.prefix = True, prefixes.pop()
