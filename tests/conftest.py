@@ -136,7 +136,7 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     unnamed = []
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "interpret" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.interpreter)
