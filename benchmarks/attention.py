@@ -2,7 +2,7 @@
 time and TFLOP/s, forward and forward + backward, and the fraction of a bf16 matmul measured in the
 same run.
 
-    python -m benchmarks.attention [--quick] [--output benchmarks/results/<device>.md]
+    python -m benchmarks.attention [--quick | --short] [--output benchmarks/results/<device>.md]
 
 FLOP convention, the same for every executor (FlashAttention's): the forward is two matmuls,
 4 * B * H * Lq * Lk * D, halved when causal; the backward is five matmuls (the scores recomputed,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
-from benchmarks.common import emit, header, table, timed_ms
+from benchmarks.common import add_size_options, brief, emit, header, progress, table, timed_ms
 
 Tensor = torch.Tensor
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max|a - b| / max|b| against SDPA
@@ -87,14 +87,26 @@ class Result:
     failed: bool = False
 
 
+SHORT_GRID = [(False, 0.0, "none"), (True, 0.0, "none"), (True, 0.1, "none"), (False, 0.0, "pad")]
+"""`--short`'s (causal, p, bias): SDPA's flash backend takes the first three, not the fourth."""
+
+
 def cases(
-    quick: bool, lengths: list[int], head_dims: list[int], itemsize: int, cap_gib: float
+    quick: bool,
+    lengths: list[int],
+    head_dims: list[int],
+    itemsize: int,
+    cap_gib: float,
+    short: bool = False,
 ) -> list[Case]:
     """(causal, p, bias) for every length and head dim; bias cases are non-causal."""
     if quick:
         tokens, hidden = 64, 64
         grid = [(False, 0.0, "none"), (True, 0.0, "none"), (False, 0.1, "none")]
         grid += [(False, 0.0, "pad"), (False, 0.1, "full")]
+    elif short:
+        tokens, hidden = 16384, 2048
+        grid = SHORT_GRID
     else:
         tokens, hidden = 16384, 2048
         grid = [(causal, p, "none") for causal in (False, True) for p in (0.0, 0.1)]
@@ -236,7 +248,7 @@ def bench_case(case: Case, dtype: torch.dtype, device: torch.device, cap_gib: fl
         except torch.cuda.OutOfMemoryError:
             result = Result("OOM")
         except RuntimeError as error:  # recorded and counted as a failure, not hidden
-            result = Result(f"error: {str(error).splitlines()[0][:80]}", failed=True)
+            result = Result(f"error: {brief(error, 80)}", failed=True)
         results[name] = result
     return results
 
@@ -287,13 +299,15 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    add_size_options(parser)
     parser.add_argument(
         "--no-inductor", action="store_true", help="accepted for a uniform interface (no Inductor)"
     )
     parser.add_argument("--output", help="append the markdown table to this file")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", help="default 512 1024 2048 4096 8192; 4096 with --short"
+    )
+    parser.add_argument("--head-dims", type=int, nargs="+", help="default 64 128; 128 with --short")
     parser.add_argument(
         "--eager-cap-gib", type=float, default=8.0,
         help="skip eager past this many GiB of float32 scores; also caps the (1, H, L, L) bias",
@@ -301,14 +315,26 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lengths, head_dims = ([64], [32]) if args.quick else (args.lengths, args.head_dims)
-    selected = cases(args.quick, lengths, head_dims, dtype.itemsize, args.eager_cap_gib)
+    if args.quick:
+        lengths, head_dims = [64], [32]
+    elif args.short:
+        lengths, head_dims = args.lengths or [4096], args.head_dims or [128]
+    else:
+        lengths, head_dims = (
+            args.lengths or [512, 1024, 2048, 4096, 8192],
+            args.head_dims or [64, 128],
+        )
+    selected = cases(
+        args.quick, lengths, head_dims, dtype.itemsize, args.eager_cap_gib, short=args.short
+    )
     matmul_n = 256 if args.quick else 8192
     ceiling = matmul_tflops(device, dtype, matmul_n)
 
     measured = []
     for case in selected:
         measured.append((case, bench_case(case, dtype, device, args.eager_cap_gib)))
+        for row in table_rows(*measured[-1], ceiling):
+            progress(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     lines = header("Fused attention", device, "benchmarks.attention")

@@ -2,7 +2,8 @@
 given the same modification as `score_mod` and `mask_mod` (with its block mask), and SDPA where a
 mask or bias tensor expresses it: forward and forward + backward time and TFLOP/s, in one run.
 
-    python -m benchmarks.attention_mods [--quick] [--output benchmarks/results/<device>.md]
+    python -m benchmarks.attention_mods [--quick | --short] [--mods NAME ...] [--lengths L ...]
+        [--output benchmarks/results/<device>.md]
 
 Modifications, each at every length (tokens B * L and hidden H * D fixed): causal; causal with a
 sliding window; causal with soft-capped scores (`cap * tanh(scores / cap)`); causal with ALiBi by
@@ -20,6 +21,7 @@ forward only, on CPU (it has no CPU backward). Compile time is never timed.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
-from benchmarks.common import emit, header, standard_setup, table, timed_ms
+from benchmarks.common import brief, emit, header, progress, standard_setup, table, timed_ms
 from seqcompile.ops import score_mods
 
 Tensor = torch.Tensor
@@ -215,6 +217,9 @@ def bench_mod(mod: Mod, t: Inputs, device: torch.device, cap_gib: float) -> dict
     timed."""
     b, h, length, _ = t.q.shape
     on_cuda = device.type == "cuda"
+    # FlexAttention recompiles for every modification and length: past `recompile_limit` (8)
+    # compiles Dynamo would run it eagerly, so each case starts from an empty cache
+    torch._dynamo.reset()
     mask_mod = functools.partial(keep, mod, t)
     block_mask = create_block_mask(mask_mod, b if mod.documents else None, None, length, length,
                                    device=device)  # fmt: skip
@@ -243,7 +248,7 @@ def bench_mod(mod: Mod, t: Inputs, device: torch.device, cap_gib: float) -> dict
             results[name] = ["-", "-", "OOM"]
             continue
         except RuntimeError as error:  # recorded and counted as a failure, not hidden
-            results[name] = ["-", "-", f"FAILED: {str(error).splitlines()[0][:80]}"]
+            results[name] = ["-", "-", f"FAILED: {brief(error, 80)}"]
             continue
         note = "the reference"
         if reference is not None:
@@ -258,14 +263,40 @@ def bench_mod(mod: Mod, t: Inputs, device: torch.device, cap_gib: float) -> dict
     return results
 
 
+SHORT_MODS = ("window", "softcap", "documents")
+"""`--short`'s modifications: one mask, one score modification, one per-batch mask."""
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        help="default 1024 2048 4096 8192 16384; 4096 with --short",
+    )
+    parser.add_argument(
+        "--mods",
+        nargs="+",
+        choices=[mod.name for mod in MODS],
+        help=f"default all; {', '.join(SHORT_MODS)} with --short",
+    )
+
+
 def main() -> None:
-    args, device, dtype = standard_setup(__doc__)
+    args, device, dtype = standard_setup(__doc__, options)
     tokens, hidden, head_dim = (128, 32, 16) if args.quick else (16384, 1024, 64)
-    lengths = [64] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    if args.quick:
+        lengths = [64]
+    elif args.short:
+        lengths = args.lengths or [4096]
+    else:
+        lengths = args.lengths or [1024, 2048, 4096, 8192, 16384]
+    names = args.mods or (SHORT_MODS if args.short else [mod.name for mod in MODS])
+    mods = [mod for mod in MODS if mod.name in names]
     rows, mismatches = [], 0
     for length in lengths:
         t = make_inputs(tokens // length, hidden // head_dim, length, head_dim, dtype, device)
-        for mod in MODS:
+        for mod in mods:
             pairs = visible_pairs(mod, t)
             flops = 4 * head_dim * pairs
             results = bench_mod(mod, t, device, cap_gib=8.0)
@@ -277,6 +308,7 @@ def main() -> None:
                 seqfast_both = results["seqfast"][1]
                 ratio = both / seqfast_both if "-" not in (both, seqfast_both) else "-"
                 rows.append([length, mod.name, name, *cells, ratio, note])
+                progress(rows[-1])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     lines = header("Attention score modifications and masks", device, "benchmarks.attention_mods")

@@ -18,16 +18,31 @@ import torch
 from seqcompile.demo import GPT2_SMALL, GPTConfig
 
 
-def standard_setup(doc: str) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
-    """The options every kernel benchmark takes (`--quick`, `--no-inductor`, `--output`), the
-    device (CUDA when present) and the dtype measured there (bf16 on CUDA, float32 on CPU)."""
+def standard_setup(
+    doc: str, extra: Callable[[argparse.ArgumentParser], object] | None = None
+) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """The options every kernel benchmark takes (`--quick`, `--short`, `--no-inductor`,
+    `--output`, and what `extra` adds to the parser), the device (CUDA when present) and the dtype
+    measured there (bf16 on CUDA, float32 on CPU)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    add_size_options(parser)
     parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
     parser.add_argument("--output", help="append the markdown table to this file")
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def add_size_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run on CPU")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="fewer sizes and cases at full scale (each still several times the L2), to fit a"
+        " time-boxed GPU session (benchmarks/gpu_session.sh)",
+    )
 
 
 class ModelSetup(NamedTuple):
@@ -39,11 +54,12 @@ class ModelSetup(NamedTuple):
 
 
 def model_setup(doc: str, extra: Sequence[tuple[str, int]] = ()) -> ModelSetup:
-    """The options every whole-model benchmark takes (`--quick`, `--no-inductor`, `--batch`,
-    `--length`, `--output`, and `extra` whole-number options with their defaults), the device,
-    and the model: GPT-2-small-shaped, or a tiny GPT on 2 x 16 tokens with `--quick`."""
+    """The options every whole-model benchmark takes (`--quick`, `--short`, `--no-inductor`,
+    `--batch`, `--length`, `--output`, and `extra` whole-number options with their defaults), the
+    device, and the model: GPT-2-small-shaped, or a tiny GPT on 2 x 16 tokens with `--quick`
+    (`--short` keeps the model and runs fewer steps or cases)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run on CPU")
+    add_size_options(parser)
     parser.add_argument("--no-inductor", action="store_true", help="leave plain Inductor out")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
@@ -127,10 +143,23 @@ def header(title: str, device: torch.device, module: str) -> list[str]:
     ]
 
 
-def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
-    def cell(v: object) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+def brief(error: BaseException, limit: int = 160) -> str:
+    """An exception's message on one line, at most `limit` characters (its type when empty)."""
+    text = " ".join(str(error).split()).replace("|", "/")
+    return (text or type(error).__name__)[:limit]
 
+
+def cell(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def progress(cells: Sequence[object]) -> None:
+    """Print one measured row at once, so that a run stopped at its time limit still leaves the
+    rows it finished in the log (the table itself is written at the end)."""
+    print("row: | " + " | ".join(cell(v) for v in cells) + " |", flush=True)
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return lines

@@ -2,9 +2,10 @@
 Liger-Kernel: cross-entropy over given logits, and linear + cross-entropy from hidden states, one
 forward + backward step in bf16, in time and peak memory.
 
-    python -m benchmarks.loss [--quick] [--no-inductor] [--output benchmarks/results/<device>.md]
+    python -m benchmarks.loss [--quick | --short] [--no-inductor] [--output FILE]
 
-Each executor's loss and gradients are checked against eager first. Peak memory is
+Each executor's loss and gradients are checked against eager first; one that disagrees or raises
+is marked FAILED, not timed, and the run exits non-zero. Peak memory is
 `torch.cuda.max_memory_allocated` during the step minus what was allocated before it (the inputs
 and parameters); a case that runs out of memory says so.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import emit, header, standard_setup, table, timed_ms
+from benchmarks.common import brief, emit, header, progress, standard_setup, table, timed_ms
 
 WIDTH = 4096
 """Hidden width of linear + cross-entropy."""
@@ -87,6 +88,7 @@ def measure(fn, inputs, device):
 
 def bench(case, tokens, vocab, width, device, dtype, inductor):
     fn = cross_entropy if case == "cross-entropy" else linear_cross_entropy
+    torch._dynamo.reset()  # past `recompile_limit` compiles of `fn`, Dynamo would run it eagerly
     inputs = make_inputs(case, tokens, vocab, width, device, dtype)
     executors = {"eager": fn, "seqfast": torch.compile(fn, backend="seqfast", dynamic=False)}
     if inductor:
@@ -94,27 +96,33 @@ def bench(case, tokens, vocab, width, device, dtype, inductor):
     liger = liger_executor(case) if device.type == "cuda" else None
     if liger is not None:
         executors["liger"] = liger
-    results = {}
+    results, notes = {}, {}
     reference = None
     for name, run in executors.items():
         try:
             out = step(run, inputs)
+            if reference is None:
+                reference = out
+                notes[name] = "the reference"
+            else:
+                check(out, reference)
+                notes[name] = "checked"
+            del out
+            results[name] = measure(run, inputs, device)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             results[name] = ("OOM", "OOM")
-            continue
-        if reference is None:
-            reference = out
-        else:
-            check(out, reference)
-        del out
-        results[name] = measure(run, inputs, device)
+            notes.setdefault(name, "")
+        except (RuntimeError, AssertionError) as error:  # recorded, counted, not timed
+            results[name] = ("-", "-")
+            notes[name] = f"FAILED: {brief(error, 100)}"
     rows = []
     eager_ms, eager_mib = results["eager"]
     for name, (ms, mib) in results.items():
         speed = eager_ms / ms if isinstance(ms, float) and isinstance(eager_ms, float) else ""
         memory = mib / eager_mib if isinstance(mib, float) and isinstance(eager_mib, float) else ""
-        rows.append([case, tokens, vocab, name, ms, mib, speed, memory])
+        rows.append([case, tokens, vocab, name, ms, mib, speed, memory, notes[name]])
+        progress(rows[-1])
     return rows
 
 
@@ -123,6 +131,8 @@ def main() -> None:
     width = 16 if args.quick else WIDTH
     if args.quick:
         sizes = [(64, 97)]
+    elif args.short:
+        sizes = [(8192, 128256)]
     else:
         sizes = [(t, v) for v in (32000, 50257, 128256, 256000) for t in (8192, 32768)]
     title = "Fused loss: cross-entropy and linear + cross-entropy"
@@ -137,9 +147,12 @@ def main() -> None:
         for tokens, vocab in sizes:
             rows += bench(case, tokens, vocab, width, device, dtype, not args.no_inductor)
     columns = ["case", "tokens", "vocab", "executor", "ms", "peak MiB", "x eager speed",
-               "peak / eager"]  # fmt: skip
+               "peak / eager", "check"]  # fmt: skip
     lines += table(columns, rows)
     emit(lines, args.output)
+    failed = sum(str(row[-1]).startswith("FAILED") for row in rows)
+    if failed:
+        raise SystemExit(f"benchmarks.loss: {failed} executor runs failed; see the check column")
 
 
 if __name__ == "__main__":

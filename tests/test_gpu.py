@@ -19,6 +19,89 @@ pytestmark = pytest.mark.gpu
 cuda = torch.device("cuda")
 
 
+# The whole-model tests come first: they take longest, and under pytest-xdist (the GPU session runs
+# the tier on several workers) they then overlap the kernel tests instead of trailing them.
+
+
+def test_training_loss_curve_tracks_eager_in_bf16():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=4, dropout=0.0)
+    model = GPT(config).to(cuda)
+    fast_model = copy.deepcopy(model)
+    kwargs = dict(steps=20, batch=8, length=128, device=cuda)
+
+    def bf16(step):
+        def run(idx, targets):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return step(idx, targets)
+
+        return run
+
+    eager = train(model, bf16(model), config, **kwargs)
+    with collecting() as report:
+        fast = train(
+            fast_model, bf16(torch.compile(fast_model, backend="seqfast")), config, **kwargs
+        )
+    assert report.counts["norm"] == 2 * config.n_layers + 1
+    assert report.counts["attention"] == config.n_layers
+    assert eager.losses[-1] < eager.losses[0] - 0.5
+    torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rest", ["inductor", "eager"])
+def test_the_memory_models_peak_is_within_15_percent_of_cuda(rest):
+    """The step's peak above what lives before it (parameters, the batch) against the model's
+    peak, which counts activations and the gradients made so far."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
+    model = GPT(config).to(cuda)
+    idx = torch.randint(config.vocab, (8, 512), device=cuda)
+    targets = torch.randint(config.vocab, (8, 512), device=cuda)
+    compiled = torch.compile(model, backend="seqfast", options={"rest": rest})
+    with collecting() as report:
+        compiled(idx, targets).backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    compiled(idx, targets).backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    (plan,) = report.memory
+    predicted = plan.step.peak_bytes
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+
+def test_plan_batchs_choice_trains_within_its_memory_limit():
+    """The micro-batch, steps and options plan_batch chooses, run for real: the step's peak
+    allocation (parameters, gradients and Adam's state included) stays within the limit, which
+    is set where the whole batch does not fit."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
+    model = GPT(config).to(cuda)
+    example = tuple(torch.randint(config.vocab, (2, 512), device=cuda) for _ in range(2))
+    probe = seqcompile.plan_batch(model, example, 2**40, 32, quiet=True)
+    limit = int(0.5 * probe.full_batch[0].total_bytes)
+    plan = seqcompile.plan_batch(model, example, limit, 32)
+    chosen = plan.chosen
+    assert chosen is not None and chosen.steps > 1
+    optimizer = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend="seqfast", options=plan.options)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):  # the second optimizer step runs with Adam's state allocated
+        for _ in range(chosen.steps):
+            idx, targets = (
+                torch.randint(config.vocab, (chosen.micro_batch, 512), device=cuda)
+                for _ in range(2)
+            )
+            compiled(idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() <= limit
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("width", [768, 1000, 4096])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
@@ -146,82 +229,3 @@ def test_loss_kernels_match_eager(dtype, vocab):
         strict=True,
     ):
         torch.testing.assert_close(got, want, **TOLERANCES[dtype])
-
-
-def test_training_loss_curve_tracks_eager_in_bf16():
-    torch.manual_seed(0)
-    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=4, dropout=0.0)
-    model = GPT(config).to(cuda)
-    fast_model = copy.deepcopy(model)
-    kwargs = dict(steps=20, batch=8, length=128, device=cuda)
-
-    def bf16(step):
-        def run(idx, targets):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return step(idx, targets)
-
-        return run
-
-    eager = train(model, bf16(model), config, **kwargs)
-    with collecting() as report:
-        fast = train(
-            fast_model, bf16(torch.compile(fast_model, backend="seqfast")), config, **kwargs
-        )
-    assert report.counts["norm"] == 2 * config.n_layers + 1
-    assert report.counts["attention"] == config.n_layers
-    assert eager.losses[-1] < eager.losses[0] - 0.5
-    torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("rest", ["inductor", "eager"])
-def test_the_memory_models_peak_is_within_15_percent_of_cuda(rest):
-    """The step's peak above what lives before it (parameters, the batch) against the model's
-    peak, which counts activations and the gradients made so far."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
-    model = GPT(config).to(cuda)
-    idx = torch.randint(config.vocab, (8, 512), device=cuda)
-    targets = torch.randint(config.vocab, (8, 512), device=cuda)
-    compiled = torch.compile(model, backend="seqfast", options={"rest": rest})
-    with collecting() as report:
-        compiled(idx, targets).backward()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    compiled(idx, targets).backward()
-    torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated() - before
-    (plan,) = report.memory
-    predicted = plan.step.peak_bytes
-    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
-
-
-def test_plan_batchs_choice_trains_within_its_memory_limit():
-    """The micro-batch, steps and options plan_batch chooses, run for real: the step's peak
-    allocation (parameters, gradients and Adam's state included) stays within the limit, which
-    is set where the whole batch does not fit."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
-    model = GPT(config).to(cuda)
-    example = tuple(torch.randint(config.vocab, (2, 512), device=cuda) for _ in range(2))
-    probe = seqcompile.plan_batch(model, example, 2**40, 32, quiet=True)
-    limit = int(0.5 * probe.full_batch[0].total_bytes)
-    plan = seqcompile.plan_batch(model, example, limit, 32)
-    chosen = plan.chosen
-    assert chosen is not None and chosen.steps > 1
-    optimizer = torch.optim.AdamW(model.parameters())
-    compiled = torch.compile(model, backend="seqfast", options=plan.options)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):  # the second optimizer step runs with Adam's state allocated
-        for _ in range(chosen.steps):
-            idx, targets = (
-                torch.randint(config.vocab, (chosen.micro_batch, 512), device=cuda)
-                for _ in range(2)
-            )
-            compiled(idx, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() <= limit
