@@ -75,13 +75,13 @@ def test_the_memory_models_peak_is_within_15_percent_of_cuda(rest):
 def test_plan_batchs_choice_trains_within_its_memory_limit():
     """The micro-batch, steps and options plan_batch chooses, run for real: the step's peak
     allocation (parameters, gradients and Adam's state included) stays within the limit, which
-    is set where the whole batch does not fit."""
+    is set where the whole batch does not fit at any memory budget."""
     torch.manual_seed(0)
     config = GPTConfig(vocab=8192, max_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.1)
     model = GPT(config).to(cuda)
     example = tuple(torch.randint(config.vocab, (2, 512), device=cuda) for _ in range(2))
     probe = seqcompile.plan_batch(model, example, 2**40, 32, quiet=True)
-    limit = int(0.5 * probe.full_batch[0].total_bytes)
+    limit = int(0.6 * min(c.total_bytes for c in probe.full_batch))
     plan = seqcompile.plan_batch(model, example, limit, 32)
     chosen = plan.chosen
     assert chosen is not None and chosen.steps > 1
