@@ -113,7 +113,7 @@ export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown')"
 sources="$(find seqcompile benchmarks tests -name '*.py' -o -name '*.jinja' | LC_ALL=C sort |
     xargs cat | sha256sum | cut -c1-12)"
-say "== session at $(date -u +%FT%TZ) in $PWD; commit $commit, sources $sources"
+say "== session at $(date -u +%FT%TZ) in $PWD; .git HEAD $commit (can lag the tree sent), sources $sources"
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee -a "$log" >"$work/device.txt"
 timeout 120 "$py" - >"$work/facts.txt" 2>&1 <<'EOF'
@@ -211,7 +211,7 @@ timeout 10 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,memory.used --format
 {
     echo "# GPU session summary"
     echo
-    echo "- $(date -u +%FT%TZ), ${SECONDS}s in all; commit $commit, sources $sources"
+    echo "- $(date -u +%FT%TZ), ${SECONDS}s in all; .git HEAD $commit (can lag the tree sent), sources $sources"
     echo "- nvidia-smi: $(tail -n +2 "$work/device.txt" | head -1)"
     echo "- after (clocks.sm, temperature, memory.used): $(head -1 "$work/device_after.txt")"
     sed 's/^/- /' "$work/facts.txt" | cut -c1-200 | head -10
