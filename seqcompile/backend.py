@@ -30,6 +30,7 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile import dump, dump_folder, structure, verify
+from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.fx_utils import has_symbols
 from seqcompile.memory import accumulate
 from seqcompile.memory.gradient_destination import GradientDestination, forward_choice
@@ -304,8 +305,12 @@ def seqfast(
 ) -> Callable[..., Any]:
     """The backend Dynamo calls (registered as "seqfast" through the `torch_dynamo_backends` entry
     point). `options` come from `torch.compile(..., options=...)`; `mode` is accepted and unused."""
+    # Dynamo calls a backend at the compiled function's first call, not at torch.compile: the
+    # options, and the folders they and SEQFAST_CACHE_DIR name, are checked here, before any work
     try:
         opts = Options.resolve(options)
+        if not opts.disable:
+            check_cache_dir()
     except OptionError as error:
         raise _PassThroughOptionError(str(error), first_useful_frame=None) from None
     if opts.log is not None:
