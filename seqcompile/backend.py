@@ -32,7 +32,7 @@ from seqcompile import capture as capture_mod
 from seqcompile import dump, dump_folder, structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.fx_utils import has_symbols
-from seqcompile.memory import accumulate
+from seqcompile.memory import accumulate, in_place
 from seqcompile.memory.gradient_destination import GradientDestination, forward_choice
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
@@ -210,10 +210,22 @@ def lower(
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
     rest runs on the chosen executor. With `accumulate_grads`, the forward notes its parameters
     and the backward is two: one adds the parameters' gradients into `.grad`, one returns them
-    (see `memory/gradient_destination.py`)."""
+    (see `memory/gradient_destination.py`). A backward that writes over saved tensors
+    (`reuse_saved`) copies them first when autograd keeps the graph (`retain_graph=True`), so a
+    second backward works."""
     if kind == "inference":
         gm = checked_joint_passes("lower", gm, state)
         list_kernels(gm, "inference", state)
+    if kind == "backward":
+        written = in_place.written_inputs(gm)  # before the executor, which may change `gm`
+        return in_place.keeping_saved(_lowered(gm, example_inputs, state, kind), written)
+    return _lowered(gm, example_inputs, state, kind)
+
+
+def _lowered(
+    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
+) -> Callable[..., Any]:
+    """`gm` as a boxed callable (see `lower`)."""
     plan = state.accumulation
     if plan is None or kind == "inference":
         return _executable(gm, example_inputs, state, kind)

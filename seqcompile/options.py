@@ -190,8 +190,8 @@ class Options:
     logits); 0 picks an eighth of the tokens."""
     reuse_saved: bool = True
     """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
-    over the logits). A second backward through the same graph (`retain_graph=True`) then fails
-    with autograd's "modified by an inplace operation" error; False keeps saved tensors intact."""
+    over the logits). A backward that keeps the graph for another (`retain_graph=True`) writes
+    over a copy instead, so a second backward works; False never writes over saved tensors."""
     memory_budget: Budget = Budget(fraction=1.0)
     """What the forward may keep for the backward: a fraction of the save-everything plan, or a
     size per compiled graph."""
