@@ -30,8 +30,9 @@ import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
 from seqcompile import dump, dump_folder, structure, verify
+from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.fx_utils import has_symbols
-from seqcompile.memory import accumulate
+from seqcompile.memory import accumulate, in_place
 from seqcompile.memory.gradient_destination import GradientDestination, forward_choice
 from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
 from seqcompile.normalize import normalize_graph
@@ -209,10 +210,22 @@ def lower(
     """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
     rest runs on the chosen executor. With `accumulate_grads`, the forward notes its parameters
     and the backward is two: one adds the parameters' gradients into `.grad`, one returns them
-    (see `memory/gradient_destination.py`)."""
+    (see `memory/gradient_destination.py`). A backward that writes over saved tensors
+    (`reuse_saved`) copies them first when autograd keeps the graph (`retain_graph=True`), so a
+    second backward works."""
     if kind == "inference":
         gm = checked_joint_passes("lower", gm, state)
         list_kernels(gm, "inference", state)
+    if kind == "backward":
+        written = in_place.written_inputs(gm)  # before the executor, which may change `gm`
+        return in_place.keeping_saved(_lowered(gm, example_inputs, state, kind), written)
+    return _lowered(gm, example_inputs, state, kind)
+
+
+def _lowered(
+    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
+) -> Callable[..., Any]:
+    """`gm` as a boxed callable (see `lower`)."""
     plan = state.accumulation
     if plan is None or kind == "inference":
         return _executable(gm, example_inputs, state, kind)
@@ -304,8 +317,12 @@ def seqfast(
 ) -> Callable[..., Any]:
     """The backend Dynamo calls (registered as "seqfast" through the `torch_dynamo_backends` entry
     point). `options` come from `torch.compile(..., options=...)`; `mode` is accepted and unused."""
+    # Dynamo calls a backend at the compiled function's first call, not at torch.compile: the
+    # options, and the folders they and SEQFAST_CACHE_DIR name, are checked here, before any work
     try:
         opts = Options.resolve(options)
+        if not opts.disable:
+            check_cache_dir()
     except OptionError as error:
         raise _PassThroughOptionError(str(error), first_useful_frame=None) from None
     if opts.log is not None:

@@ -87,12 +87,13 @@ def write_rerun(
         f'        compiled = torch.compile(Repro(), backend="seqfast", options=OPTIONS{dynamic})\n'
         "        result = compiled(*inputs())\n"
         "        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]\n"
-        "        grads = [t for t in outputs if t.requires_grad and t.is_floating_point()]\n"
-        "        if grads:\n"
-        "            sum(t.float().sum() for t in grads).backward()\n"
+        "        grads = [t for t in outputs if t.requires_grad]\n"
+        "        if grads:  # a complex output: through its real and imaginary parts\n"
+        "            real = [torch.view_as_real(t) if t.is_complex() else t for t in grads]\n"
+        "            sum(t.float().sum() for t in real).backward()\n"
         '            print("backward: ran")\n'
         "    for i, t in enumerate(outputs):\n"
-        "        total = t.double().sum().item()\n"
+        "        total = t.to(torch.complex128 if t.is_complex() else torch.float64).sum().item()\n"
         '        print(f"output {i}: {t.dtype} {list(t.shape)} sum {total:.6g}")\n'
     )
     (folder / "rerun.py").write_text(
@@ -129,7 +130,11 @@ def script(doc: str, gm: GraphModule, inputs: Sequence[Any], imports: str, main:
     names = gm.graph.python_code("self").globals
     problem = _not_rebuildable(gm, names)
     if problem is not None:
-        message = f"seqfast: the graph cannot be rebuilt from its code: {problem}"
+        problem = f"the graph cannot be rebuilt from its code: {problem}"
+    elif (unmakeable := _unmakeable(inputs)) is not None:
+        problem = f"the graph's inputs cannot be made by this script: {unmakeable}"
+    if problem is not None:
+        message = f"seqfast: {problem}"
         return f'"""{doc}"""\n\nraise SystemExit({message!r})\n'
     more = "".join(f"{_import_line(n, v)}\n" for n, v in names.items() if n not in _IN_PREAMBLE)
     made = "\n".join(f"        {_input_expression(a)}," for a in inputs)
@@ -179,28 +184,108 @@ def _import_line(name: str, value: Any) -> str | None:
     return f"from {module} import {qualname} as {name}"
 
 
+_RANDN = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
+"""Dtypes `torch.randn` draws in directly; other floating and complex dtypes (float8, complex32)
+are drawn in float32 or complex64 and cast."""
+_INTEGERS = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _unmakeable(inputs: Sequence[Any]) -> str | None:
+    """Why the script cannot make one of `inputs` (None where it can make them all)."""
+    for i, a in enumerate(inputs):
+        if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool) or isinstance(a, _SCALARS):
+            continue
+        if not isinstance(a, torch.Tensor):
+            return f"input {i} is a {type(a).__name__}, which the script cannot make"
+        if type(a) not in (torch.Tensor, torch.nn.Parameter) and not is_fake(a):
+            return f"input {i} is a tensor subclass ({type(a).__name__})"
+        if a.layout != torch.strided:
+            return f"input {i} has the layout {a.layout}, not strided"
+        if a.is_quantized:
+            return f"input {i} is quantized ({a.dtype})"
+        drawn = a.is_floating_point() or a.is_complex() or a.dtype in (torch.bool, *_INTEGERS)
+        if not drawn:  # the sub-byte uint1..7 and int1..7, the bits types
+            return f"input {i} has the dtype {a.dtype}, which the script cannot draw"
+    return None
+
+
+def _hint(a: torch.SymInt | torch.SymFloat | torch.SymBool) -> bool | int | float:
+    """A symbolic scalar at the value it had when traced."""
+    if isinstance(a, torch.SymInt):
+        return concrete(a)
+    hint = a.node.hint
+    if hint is None:
+        hint = a.node.shape_env.size_hint(a.node.expr)
+    return bool(hint) if isinstance(a, torch.SymBool) else float(hint)
+
+
+def _literal(value: Any) -> str:
+    """Python for a number as the script's preamble reads it (`nan`, `inf` and complex values
+    with either written so)."""
+    if isinstance(value, complex):
+        return f"complex({value.real!r}, {value.imag!r})"
+    return repr(value)
+
+
 def _input_expression(a: Any) -> str:
     """Python that makes an input like `a`: the same sizes (at their traced hints), strides,
     dtype, device and requires_grad, with random values; a 0-d tensor (a number Dynamo made an
-    input, such as a norm's eps) keeps its value, and integers stay below the largest value seen
-    (0 or 1 where it cannot be read)."""
-    if isinstance(a, torch.SymInt):
-        return repr(concrete(a))
+    input, such as a norm's eps) keeps its value, and integers stay within the smallest (or 0)
+    and largest values seen (0 or 1 where they cannot be read). `_unmakeable` says first which
+    inputs this cannot make."""
+    if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return repr(_hint(a))
     if not isinstance(a, torch.Tensor):
-        return repr(a)
+        return _literal(a)
     readable = not is_fake(a) and a.device.type != "meta"
     size, stride = [concrete(s) for s in a.shape], [concrete(s) for s in a.stride()]
     storage = 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True)) if all(size) else 0
     if readable and a.dim() == 0:
-        make = f"torch.tensor({a.item()!r}, dtype={a.dtype})"
-    elif a.is_floating_point():
+        make = f"torch.tensor({_literal(a.item())}, dtype={a.dtype})"
+    elif a.dtype in _RANDN:
         make = f"torch.randn({storage}, dtype={a.dtype})"
+    elif a.is_complex():
+        make = f"torch.randn({storage}, dtype=torch.complex64).to({a.dtype})"
+    elif a.is_floating_point():
+        make = f"torch.randn({storage}).to({a.dtype})"
     elif a.dtype == torch.bool:
         make = f"torch.rand({storage}) > 0.5"
     else:
-        high = int(a.max().item()) + 1 if readable and a.numel() else 2
-        make = f"torch.randint(0, {max(high, 1)}, ({storage},), dtype={a.dtype})"
+        make = f"torch.randint({_integer_range(a, readable)}, ({storage},)).to({a.dtype})"
     made = f"({make}).to({str(a.device)!r}).as_strided({size}, {stride}).detach()"
     if isinstance(a, torch.nn.Parameter):
         return f"torch.nn.Parameter({made}, requires_grad={a.requires_grad})"
-    return made + (f".requires_grad_({a.requires_grad})" if a.is_floating_point() else "")
+    differentiable = a.is_floating_point() or a.is_complex()
+    return made + (f".requires_grad_({a.requires_grad})" if differentiable else "")
+
+
+def _integer_range(a: torch.Tensor, readable: bool) -> str:
+    """`low, high` for `torch.randint` (int64) covering the values of the integer tensor `a`,
+    kept within both its dtype and int64."""
+    info, int64 = torch.iinfo(a.dtype), torch.iinfo(torch.int64)
+    low, high = 0, 2
+    if readable and a.numel():
+        # max and min are not implemented for every integer dtype (uint16..uint64): read them
+        # in a dtype that holds the values (float64 for uint64, whose top half int64 lacks)
+        wide = a.detach().to(torch.float64 if a.dtype == torch.uint64 else torch.int64)
+        low, high = min(int(wide.min().item()), 0), int(wide.max().item()) + 1
+    low = max(low, info.min, int64.min)
+    high = min(max(high, low + 1), info.max + 1, int64.max)
+    return f"{low}, {high}"

@@ -1,8 +1,10 @@
 """Compile options for the `seqfast` backend.
 
 Each option comes from `torch.compile(..., options={...})`, else from the environment variable
-`SEQFAST_<NAME>`, else from its default; names and values are validated with errors that list the
-valid choices.
+`SEQFAST_<NAME>` (an empty one counts as unset), else from its default; names and values are
+validated with errors that name where the value came from (`options["rest"]` or `SEQFAST_REST`) and
+list the valid choices. Dynamo calls a backend only when the compiled function first runs, so that
+is when they are checked (`Options.resolve(options)` checks them at any time).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")
 REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")
 LOG_CHOICES = ("debug", "info", "warning", "error")
@@ -34,44 +36,82 @@ class OptionError(ValueError):
     """An unknown option name or an invalid value."""
 
 
-def _parse_bool(name: str, value: Any) -> bool:
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a value came from, as an error names it: `options["rest"]` or `SEQFAST_REST`."""
+
+    name: str
+    environment: bool = False
+
+    def __str__(self) -> str:
+        return f"SEQFAST_{self.name.upper()}" if self.environment else f'options["{self.name}"]'
+
+    @property
+    def none(self) -> str:
+        """How this origin spells "no value": None in options, unset (or empty) in the
+        environment."""
+        return "unset" if self.environment else "None"
+
+
+def _parse_bool(where: Origin, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise OptionError(
-        f'options["{name}"] must be a bool or one of {", ".join(map(repr, _TRUE + _FALSE[:-1]))};'
-        f" got {value!r}"
+        f"{where} must be {'' if where.environment else 'a bool or '}one of"
+        f" {', '.join(map(repr, _TRUE + _FALSE))}; got {value!r}"
     )
 
 
-def _parse_choice(choices: tuple[str, ...], allow_none: bool) -> Callable[[str, Any], Any]:
-    def parse(name: str, value: Any) -> Any:
+def _parse_choice(choices: tuple[str, ...], allow_none: bool) -> Callable[[Origin, Any], Any]:
+    def parse(where: Origin, value: Any) -> Any:
         if value is None and allow_none:
             return None
         if isinstance(value, str) and value.strip().lower() in choices:
             return value.strip().lower()
-        extra = " or None" if allow_none else ""
+        extra = f" or {where.none}" if allow_none else ""
         valid = ", ".join(map(repr, choices))
-        raise OptionError(f'options["{name}"] must be one of {valid}{extra}; got {value!r}')
+        raise OptionError(f"{where} must be one of {valid}{extra}; got {value!r}")
 
     return parse
 
 
-def _parse_count(name: str, value: Any) -> int:
+def _parse_count(where: Origin, value: Any) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    raise OptionError(f'options["{name}"] must be a whole number >= 0; got {value!r}')
+    raise OptionError(f"{where} must be a whole number >= 0; got {value!r}")
 
 
-def _parse_path(name: str, value: Any) -> str | None:
-    if value is None or value == "":
+def _parse_path(where: Origin, value: Any) -> str | None:
+    """A folder the dump can be written to: checked now, so a bad path is refused with the option
+    named instead of failing with a bare OS error in the middle of a compile. Nothing is created
+    here (that happens at the first dump)."""
+    if value is None and not where.environment:
         return None
-    if isinstance(value, str | os.PathLike):
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value).strip():
+        raise OptionError(
+            f"{where} must be a folder path (the dump's destination), or {where.none} for no"
+            f" dump; got {value!r}"
+        )
+    path = os.path.abspath(os.fspath(value))
+    existing = path
+    while not os.path.exists(existing):  # the nearest folder that exists: where it would be made
+        existing = os.path.dirname(existing)
+    if existing != path and not os.path.isdir(existing):
+        problem = f"{existing} is a file, so no folder can be made under it"
+    elif existing == path and not os.path.isdir(path):
+        problem = "it is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    else:
         return os.fspath(value)
-    raise OptionError(f'options["{name}"] must be a directory path or None; got {value!r}')
+    raise OptionError(
+        f"{where} = {os.fspath(value)!r} cannot hold the dump: {problem}; give a folder that can"
+        " be created and written"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +156,14 @@ class Budget:
         return f"{self.fraction:g}" if self.size is None else f"{self.size} bytes"
 
 
-def _parse_budget(name: str, value: Any) -> Budget:
+def _parse_budget(where: Origin, value: Any) -> Budget:
     if isinstance(value, Budget):
         return value
     try:
         return Budget.parse(value)
     except ValueError as error:
         raise OptionError(
-            f'options["{name}"] must be a fraction of the save-everything plan in (0, 1] or a'
+            f"{where} must be a fraction of the save-everything plan in (0, 1] or a"
             f' size such as "6GiB" or "512MB"; {error}'
         ) from None
 
@@ -150,8 +190,8 @@ class Options:
     logits); 0 picks an eighth of the tokens."""
     reuse_saved: bool = True
     """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
-    over the logits). A second backward through the same graph (`retain_graph=True`) then fails
-    with autograd's "modified by an inplace operation" error; False keeps saved tensors intact."""
+    over the logits). A backward that keeps the graph for another (`retain_graph=True`) writes
+    over a copy instead, so a second backward works; False never writes over saved tensors."""
     memory_budget: Budget = Budget(fraction=1.0)
     """What the forward may keep for the backward: a fraction of the save-everything plan, or a
     size per compiled graph."""
@@ -173,39 +213,63 @@ class Options:
     def resolve(
         cls, options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
     ) -> Options:
-        """Merge explicit options over `SEQFAST_*` environment variables over defaults."""
+        """Merge explicit options over `SEQFAST_*` environment variables over defaults. An empty
+        (or blank) environment variable counts as unset; in `options`, leave a name out (or give
+        None where the option takes None) for its default."""
         environ = os.environ if environ is None else environ
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(_PARSERS))
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise OptionError(_not_a_dict(options))
+        unknown = sorted(map(repr, set(options) - set(_PARSERS)))
         if unknown:
             raise OptionError(
-                f"unknown seqfast option(s) {', '.join(map(repr, unknown))};"
+                f"unknown seqfast option(s) {', '.join(unknown)};"
                 f" valid options are {', '.join(map(repr, _PARSERS))}"
             )
-        values = {}
+        values, origins = {}, {}
         for name, parse in _PARSERS.items():
-            env_name = f"SEQFAST_{name.upper()}"
+            from_env = environ.get(f"SEQFAST_{name.upper()}", "")
             if name in options:
-                values[name] = parse(name, options[name])
-            elif env_name in environ:
-                values[name] = parse(name, environ[env_name])
+                origins[name] = Origin(name)
+                values[name] = parse(origins[name], options[name])
+            elif from_env.strip():
+                origins[name] = Origin(name, environment=True)
+                values[name] = parse(origins[name], from_env)
         resolved = cls(**values)
-        resolved._check_budget()
+        resolved._check_budget(
+            origins.get("memory_budget", Origin("memory_budget")),
+            origins.get("checkpoint", Origin("checkpoint")),
+        )
         return resolved
 
-    def _check_budget(self) -> None:
+    def _check_budget(self, budget: Origin, checkpoint: Origin) -> None:
         if self.memory_budget.unlimited:
             return
         if self.checkpoint == "none":
             raise OptionError(
-                f'options["memory_budget"] = {self.memory_budget} needs options["checkpoint"]'
-                ' "auto" or "torch" to recompute anything; got "none"'
+                f'{budget} = {self.memory_budget} needs {checkpoint} "auto" or "torch" to'
+                ' recompute anything; got "none"'
             )
         if self.checkpoint == "torch" and self.memory_budget.size is not None:
             raise OptionError(
-                'options["checkpoint"] = "torch" takes a fractional options["memory_budget"]'
+                f'{checkpoint} = "torch" takes a fractional {budget}'
                 f" (torch's activation_memory_budget); got {self.memory_budget}"
             )
+
+
+def _not_a_dict(options: object) -> str:
+    """The error for options that are not a dict, with the dict a "name=value" string meant."""
+    example = '{"memory_budget": 0.5, "rest": "eager"}'
+    if isinstance(options, str):
+        pairs = [p.split("=", 1) for p in re.split(r"[,;\s]+", options.strip()) if p]
+        if pairs and all(len(p) == 2 and p[0] for p in pairs):
+            example = "{" + ", ".join(f"{k.strip()!r}: {v.strip()!r}" for k, v in pairs) + "}"
+    return (
+        "seqfast options must be a dict of option names to values, such as"
+        f' torch.compile(model, backend="seqfast", options={example});'
+        f" got the {type(options).__name__} {options!r}"
+    )
 
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {

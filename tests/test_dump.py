@@ -7,12 +7,16 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from seqcompile import dump
 
@@ -35,6 +39,15 @@ class Block(nn.Module):
         )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.norm(x + self.out(y.transpose(1, 2).reshape(b, length, width)))
+
+
+def _child_env(**changes):
+    """The environment of a script run in a fresh process: this checkout's package first on the
+    path (an installed seqcompile may be another), and no TRITON_INTERPRET (the script's import of
+    seqcompile sets it from SEQFAST_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p), **changes}
 
 
 def compiled_step(fn, inputs, folder, **options):
@@ -138,7 +151,7 @@ def test_rerun_script_compiles_the_graph_again_in_a_fresh_process(impl, tmp_path
     result = subprocess.run(
         [sys.executable, "rerun.py"],
         cwd=graph,
-        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        env=_child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -155,6 +168,133 @@ def test_a_graph_that_cannot_be_rebuilt_says_why(tmp_path):
     result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
     assert result.returncode == 1
     assert "cannot be rebuilt from its code: it calls the sub-module 0 (Softplus)" in result.stderr
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with its table stored as complex numbers."""
+
+    def __init__(self, length=5, pairs=4):
+        super().__init__()
+        angles = torch.randn(length, pairs)
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs).flatten(-2)
+
+
+def test_a_graph_with_a_complex_input_is_dumped_and_rerun(tmp_path):
+    graph = compiled_step(Rotary(), [torch.randn(2, 5, 8, requires_grad=True)], tmp_path)
+    assert "dtype=torch.complex64" in (graph / "rerun.py").read_text()
+    result = subprocess.run(
+        [sys.executable, "rerun.py"], cwd=graph, capture_output=True, text=True, env=_child_env()
+    )
+    assert result.returncode == 0, result.stderr
+    assert "backward: ran" in result.stdout and "output 0: torch.float32 [2, 5, 8]" in result.stdout
+
+
+def _symbolic(value):
+    env = ShapeEnv()
+    if isinstance(value, int):
+        return env.create_symintnode(env.create_symbol(value, ConstantSource("n")), hint=value)
+    symbol = env.create_unspecified_symbol(value, ConstantSource("f"))
+    return env.create_symfloatnode(symbol, hint=value)
+
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.complex32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "0-d": lambda t: t.reshape(-1)[3],
+    "empty": lambda t: t[:, :0],
+    "sliced": lambda t: t[:, ::2],
+    "transposed": lambda t: t.t(),
+    "expanded": lambda t: t[:1].expand(3, 4),
+}
+
+
+def _example(dtype):
+    values = torch.arange(12, dtype=torch.float64).reshape(3, 4) - 2  # -2 .. 9
+    if dtype.is_complex:
+        return torch.complex(values, -values).to(dtype)
+    if dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        values = values + 2  # 0 .. 11
+    return values.to(dtype) if dtype != torch.bool else values > 3
+
+
+def _made(inputs):
+    """The inputs the dump's scripts would make for `inputs`."""
+    code = "[" + ", ".join(dump._input_expression(a) for a in inputs) + "]"
+    return eval(code, {"torch": torch, "nan": float("nan"), "inf": float("inf")})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_scripts_make_inputs_of_every_dtype_and_layout(dtype, layout):
+    given = LAYOUTS[layout](_example(dtype))
+    if dtype.is_floating_point or dtype.is_complex:
+        given = given.detach().requires_grad_(dtype not in (torch.float8_e4m3fn,))
+    fake = FakeTensorMode().from_tensor(given)
+    for a in (given, fake, torch.nn.Parameter(given.detach(), requires_grad=False)):
+        assert dump._unmakeable([a]) is None
+        (made,) = _made([a])
+        assert made.dtype == a.dtype and made.shape == a.shape and made.stride() == a.stride()
+        assert made.requires_grad == a.requires_grad
+        assert isinstance(made, torch.nn.Parameter) == isinstance(a, torch.nn.Parameter)
+    (made,) = _made([given])
+    if given.dim() == 0:  # a number Dynamo made an input keeps its value
+        wide = torch.complex128 if dtype.is_complex else torch.float64  # equal lacks some
+        assert torch.equal(made.detach().to(wide), given.detach().to(wide))
+    elif given.numel() and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        wide = torch.float64 if dtype == torch.uint64 else torch.int64
+        assert made.to(wide).min() >= min(given.to(wide).min(), 0)
+        assert made.to(wide).max() <= given.to(wide).max()
+
+
+def test_the_scripts_make_inputs_that_are_not_tensors():
+    values = [3, 2.5, float("nan"), -float("inf"), True, None, 1 + 2j, complex(float("nan"), 1)]
+    values += [_symbolic(7), _symbolic(0.5), _symbolic(7) > 3]
+    made = _made(values)
+    assert made[:2] == [3, 2.5] and made[2] != made[2] and made[3] == -float("inf")
+    assert made[4:7] == [True, None, 1 + 2j] and made[7].imag == 1 and made[7].real != made[7].real
+    assert made[8:] == [7, 0.5, True]
+    assert dump._unmakeable(values) is None
+    nan_number = torch.tensor(complex(float("nan"), float("inf")))
+    (made,) = _made([nan_number])
+    assert made.real.isnan() and made.imag.isinf()
+
+
+@pytest.mark.parametrize(
+    "given,reason",
+    [
+        (torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+        (torch.randn(3, 3).to_sparse(), "layout torch.sparse_coo"),
+        (torch.zeros(4, dtype=torch.bits8), "dtype torch.bits8"),
+        (torch.Generator(), "a Generator"),
+    ],
+)
+def test_a_script_says_which_input_it_cannot_make(tmp_path, given, reason):
+    gm = torch.fx.symbolic_trace(lambda x, y: y + 1)
+    text = dump.script("A graph.", gm, [given, torch.ones(2)], "", "")
+    assert "inputs cannot be made by this script: input 0 " in text and reason in text
 
 
 def test_rerun_keeps_the_grad_and_autocast_modes(tmp_path):
@@ -179,7 +319,7 @@ def test_rerun_of_a_dynamic_graph_compiles_at_symbolic_sizes(tmp_path):
     result = subprocess.run(
         [sys.executable, "rerun.py"],
         cwd=graph,
-        env={**os.environ, "SEQFAST_DUMP_DIR": str(again)},
+        env=_child_env(SEQFAST_DUMP_DIR=str(again)),
         capture_output=True,
         text=True,
         timeout=300,

@@ -56,6 +56,6 @@ def test_specialization_shapes_the_source():
 
 def test_generated_files_import_as_real_modules_with_source():
     source = prepare_kernel(fwd())
-    module = import_source(source.path)
+    module = import_source(source.path, source.source)
     assert module.__file__ == str(source.path)
-    assert import_source(source.path) is module
+    assert import_source(source.path, source.source) is module

@@ -1,12 +1,13 @@
 """The backward writes the cross-entropy gradient over the saved logits only when nothing else can
 see them, computes what eager computes when it does, and a second backward through the same graph
-is autograd's clear error (or works, with the option off)."""
+works: with the graph retained, the backward writes over a copy."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
+from seqcompile.memory import in_place
 from seqcompile.report import collecting
 
 ROWS, VOCAB, WIDTH = 12, 50, 16
@@ -65,17 +66,41 @@ def test_logits_passed_in_stay_as_the_caller_gave_them():
     torch.testing.assert_close(logits, before, rtol=0, atol=0)
 
 
-def test_a_second_backward_through_the_graph_is_a_clear_error_or_works_with_the_option_off():
-    compiled = torch.compile(loss_and_accuracy, backend="seqfast")
-    loss, _ = compiled(*inputs())
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_a_second_backward_through_the_graph_works(rest, monkeypatch):
+    """With the graph retained the backward gives the in-place twin a copy of the saved logits,
+    so the next backward finds them intact; the backward that frees the graph writes over them."""
+    copied = []
+    copy = in_place._copy
+    monkeypatch.setattr(in_place, "_copy", lambda t: copied.append(tuple(t.shape)) or copy(t))
+    hidden, weight, target = inputs()
+    with collecting() as report:
+        loss, _ = torch.compile(loss_and_accuracy, backend="seqfast", options={"rest": rest})(
+            hidden, weight, target
+        )
+    assert reused(report) == LOGIT_BYTES
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    assert copied == [(ROWS, VOCAB)]
+    once = hidden.grad.clone(), weight.grad.clone()
+    (again,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    loss.backward()
+    assert copied == [(ROWS, VOCAB)] * 2  # the last backward frees the graph: no copy
+    torch.testing.assert_close(again, once[0])
+    torch.testing.assert_close(hidden.grad, 2 * once[0])
+    torch.testing.assert_close(weight.grad, 2 * once[1])
 
-    torch._dynamo.reset()
+    eager = inputs()
+    loss_and_accuracy(*eager)[0].backward()
+    torch.testing.assert_close(once[0], eager[0].grad)
+    torch.testing.assert_close(once[1], eager[1].grad)
+
+
+def test_a_second_backward_works_with_the_option_off():
     hidden, weight, target = inputs()
     kept = torch.compile(loss_and_accuracy, backend="seqfast", options={"reuse_saved": False})
-    loss, _ = kept(hidden, weight, target)
+    with collecting() as report:
+        loss, _ = kept(hidden, weight, target)
+    assert reused(report) == 0
     loss.backward(retain_graph=True)
     once = hidden.grad.clone()
     loss.backward()
