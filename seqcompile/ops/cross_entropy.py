@@ -85,11 +85,18 @@ def reference_grad(
 
 
 def _launch(mode: str, logits: Tensor, target: Tensor, *tensors: Tensor, ignore_index, smoothing):
+    """Launch one program per row. The kernels read the logits' rows, the targets and, in the
+    backward, the log-sum-exp and incoming gradients through their strides (views, a column of
+    pairs, an expanded scalar gradient); what they write (loss, lse, gradient) is contiguous, as
+    the callers allocate it."""
     m, vocab = logits.shape
     if m == 0:
         return
     block, warps = _block(vocab)
-    strides = (logits.stride(0),) + ((tensors[1].stride(0),) if mode == "backward" else ())
+    strides = [logits.stride(0), target.stride(0)]
+    if mode == "backward":
+        lse, grad = tensors[0], tensors[1]
+        strides += [lse.stride(0), grad.stride(0)]
     kernel_function(spec(mode))[(m,)](
         logits, target, *tensors, vocab, *strides, ignore_index, smoothing,
         BLOCK_V=block, num_warps=warps,

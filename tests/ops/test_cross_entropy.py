@@ -76,6 +76,51 @@ def test_strided_rows_and_a_broadcast_incoming_gradient(impl):
     torch.testing.assert_close(grad, eager_grad)
 
 
+TARGET_LAYOUTS = ["contiguous", "step", "column", "offset", "expanded"]
+
+
+def in_layout(t, layout):
+    """The 1-d tensor `t` laid out as `layout`: every other element of a longer tensor (`step`),
+    the second column of (rows, 2) pairs, one element into its storage (`offset`), or its first
+    value expanded with stride 0 (its values change). The elements between are `t` shifted, so
+    a kernel reading the wrong ones reads other valid classes."""
+    if layout == "contiguous":
+        return t
+    if layout == "expanded":
+        return t[:1].expand(t.shape[0])
+    if layout == "offset":
+        return torch.cat([t[-1:], t])[1:]
+    pairs = torch.stack([t.roll(1), t], dim=1)
+    return pairs.flatten()[1::2] if layout == "step" else pairs[:, 1]
+
+
+@pytest.mark.parametrize("layout", TARGET_LAYOUTS)
+def test_targets_in_any_layout(impl, layout):
+    logits, target = logits_and_targets(6, 97)
+    target = in_layout(target, layout)
+    assert layout == "contiguous" or not target.is_contiguous() or target.storage_offset()
+    cotangent = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    loss = per_row(logits, target, 0.1)
+    expected = eager_rows(logits, target, 0.1)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, logits, cotangent)
+    (eager_grad,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager_grad)
+
+
+def test_the_backward_reads_lse_and_incoming_gradients_through_their_strides(impl):
+    logits, target = logits_and_targets(5, 97)
+    logits = logits.detach()
+    _, lse = torch.ops.seqfast.cross_entropy(logits, target, IGNORE, 0.1)
+    grad = torch.randn(5, generator=torch.Generator().manual_seed(2))
+    expected = torch.ops.seqfast.cross_entropy_backward(grad, logits, target, lse, IGNORE, 0.1)
+    got = torch.ops.seqfast.cross_entropy_backward(
+        in_layout(grad, "step"), logits, in_layout(target, "column"), in_layout(lse, "offset"),
+        IGNORE, 0.1,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_all_ignored_rows_give_zero_loss_and_zero_gradient(impl):
     logits, target = logits_and_targets(3, 50, ignored=(0, 1, 2))
     loss = per_row(logits, target, 0.2)
@@ -172,6 +217,22 @@ def test_chunked_equals_unchunked(impl):
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("layout", TARGET_LAYOUTS)
+@pytest.mark.parametrize("chunk", [1, 4, 0])
+@LINEAR_KERNELS
+def test_linear_loss_with_targets_in_any_layout(impl, layout, chunk):
+    hidden, weight, bias, target = linear_inputs(20, 8, 97, bias=True)  # default chunk: 2 rows
+    target = in_layout(target, layout)
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=chunk, smoothing=0.1)
+    expected = eager_linear_loss(hidden, weight, bias, target, smoothing=0.1)
+    torch.testing.assert_close(loss, expected)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want)
 
 
 @LINEAR_KERNELS

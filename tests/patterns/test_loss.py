@@ -220,6 +220,56 @@ def test_class_weights_are_refused_with_the_reason():
     check_fusion(loss, logits_and_targets(), counts={"loss": 0}, missed=["class weights"])
 
 
+TARGET_VIEWS = {
+    "every_other": lambda t: t.flatten()[1::2],
+    "column_of_pairs": lambda t: t[:, 1],
+}
+"""Strided views of (ROWS, 2) pairs that select the same ROWS targets."""
+
+
+def target_pairs():
+    g = torch.Generator().manual_seed(3)
+    pairs = torch.randint(VOCAB, (ROWS, 2), generator=g)
+    pairs[1, 1] = -100
+    return pairs
+
+
+@pytest.mark.parametrize("spelling", sorted(TARGET_VIEWS))
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_a_strided_view_of_the_targets(impl, spelling):
+    def loss(x, pairs):
+        return F.cross_entropy(x, TARGET_VIEWS[spelling](pairs), label_smoothing=0.1)
+
+    logits, _ = logits_and_targets()
+    check_fusion(loss, [logits, target_pairs()], counts={"loss": 1})
+
+
+class TargetViewHead(nn.Module):
+    """An output projection and its loss over a strided view of the targets."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.proj, self.spelling = nn.Linear(WIDTH, VOCAB), spelling
+
+    def forward(self, hidden, pairs):
+        return F.cross_entropy(self.proj(hidden), TARGET_VIEWS[self.spelling](pairs))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 0])
+@pytest.mark.parametrize("spelling", sorted(TARGET_VIEWS))
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_a_strided_view_of_the_targets(impl, spelling, chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        TargetViewHead(spelling),
+        [hidden, target_pairs()],
+        counts={"loss": 1},
+        options={"loss_chunk": chunk},
+    )
+    assert modes(report) == ["forward_grad"]
+
+
 BATCH, LENGTH = 2, 6
 
 
