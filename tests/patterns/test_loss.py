@@ -244,6 +244,13 @@ def test_a_strided_view_of_the_targets(impl, spelling):
     check_fusion(loss, [logits, target_pairs()], counts={"loss": 1})
 
 
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_strided_targets_passed_in(impl):
+    logits, _ = logits_and_targets()
+    targets = target_pairs()[:, 1]
+    check_fusion(lambda x, t: F.cross_entropy(x, t), [logits, targets], counts={"loss": 1})
+
+
 class TargetViewHead(nn.Module):
     """An output projection and its loss over a strided view of the targets."""
 
@@ -266,6 +273,25 @@ def test_a_linear_and_loss_over_a_strided_view_of_the_targets(impl, spelling, ch
         [hidden, target_pairs()],
         counts={"loss": 1},
         options={"loss_chunk": chunk},
+    )
+    assert modes(report) == ["forward_grad"]
+
+
+class Projection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, hidden, target):
+        return F.cross_entropy(self.proj(hidden), target, reduction="sum")
+
+
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_strided_targets_passed_in(impl):
+    torch.manual_seed(0)
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        Projection(), [hidden, target_pairs()[:, 1]], counts={"loss": 1}, options={"loss_chunk": 5}
     )
     assert modes(report) == ["forward_grad"]
 
