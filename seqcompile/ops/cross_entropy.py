@@ -62,9 +62,14 @@ def reference_rows(
 ) -> tuple[Tensor, Tensor]:
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
+    # eager's log_softmax subtracts the row's maximum, so a +inf logit makes the row NaN (inf -
+    # inf); logsumexp alone would give an infinite loss
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))
     ignored = target == ignore_index
     picked = x.gather(1, torch.where(ignored, 0, target).unsqueeze(1)).squeeze(1)
-    loss = lse - (1.0 - smoothing) * picked - (smoothing / x.shape[-1]) * x.sum(-1)
+    loss = (1.0 - smoothing) * (lse - picked)
+    if smoothing > 0:  # as eager: without smoothing a -inf logit's 0 * (-inf) would be NaN
+        loss = loss + smoothing * (lse - x.sum(-1) / x.shape[-1])
     return loss.masked_fill(ignored, 0.0), lse
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
-import seqcompile.ops.linear_cross_entropy  # noqa: F401
+import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers the op)
+from seqcompile.ops import cross_entropy as ce
 from seqcompile.ops.linear_cross_entropy import default_chunk
 
 IGNORE = -100
@@ -128,6 +128,59 @@ def test_all_ignored_rows_give_zero_loss_and_zero_gradient(impl):
     assert not loss.any() and not grad.any()
 
 
+INF = float("inf")
+
+
+def rows_with_infinities(vocab):
+    """Rows with a -inf logit off the target, on the target, on an ignored row, every logit
+    -inf (eager: NaN), every logit -inf on an ignored row, a +inf logit, a NaN logit, and a
+    plain row."""
+    logits, target = logits_and_targets(8, vocab, ignored=(2, 4))
+    x = logits.detach()
+    x[0, (target[0] + 1) % vocab] = -INF
+    x[1, target[1]] = -INF
+    x[2, :5] = -INF
+    x[3] = -INF
+    x[4] = -INF
+    x[5, 3] = INF
+    x[6, 3] = float("nan")
+    return x.requires_grad_(), target
+
+
+def assert_matches_eager(loss, expected, logits):
+    """Loss and gradient as eager's, infinities and NaN in the same places."""
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    cotangent = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+    (grad,) = torch.autograd.grad(loss, logits, cotangent)
+    (eager_grad,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager_grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 1.0])
+def test_infinite_and_nan_logits_give_eager_loss_and_gradient(impl, smoothing):
+    logits, target = rows_with_infinities(37)
+    loss = per_row(logits, target, smoothing)
+    assert loss[0].isfinite() == (smoothing == 0)  # with smoothing a -inf logit costs inf
+    assert_matches_eager(loss, eager_rows(logits, target, smoothing), logits)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_block_of_the_vocabulary_that_is_all_minus_inf(impl, smoothing, monkeypatch):
+    """The online log-sum-exp meets a block whose maximum is -inf (the first, or the first two)
+    before any finite logit."""
+    monkeypatch.setattr(ce, "MAX_BLOCK_V", 16)
+    logits, target = logits_and_targets(3, 40, ignored=())
+    x = logits.detach()
+    x[0, :16] = -INF
+    x[1, :32] = -INF
+    x[2, 20:] = -INF
+    target[:2] = 35
+    logits = x.requires_grad_()
+    loss = per_row(logits, target, smoothing)
+    assert loss[:2].isfinite().all() == (smoothing == 0)
+    assert_matches_eager(loss, eager_rows(logits, target, smoothing), logits)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
     logits, target = logits_and_targets(5, 97, dtype=torch.bfloat16)
@@ -232,6 +285,26 @@ def test_linear_loss_with_targets_in_any_layout(impl, layout, chunk):
     for got, want in zip(
         torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
     ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@LINEAR_KERNELS
+def test_linear_loss_with_classes_masked_by_a_minus_inf_bias(impl, smoothing):
+    hidden, weight, bias, target = linear_inputs(10, 8, 40, bias=True)
+    masked = torch.zeros(40, dtype=torch.bool)
+    masked[::3] = True
+    bias = bias.detach().masked_fill(masked, -INF).requires_grad_()
+    target[target % 3 == 0] += 1  # targets are never masked
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=4, smoothing=smoothing)
+    expected = eager_linear_loss(hidden, weight, bias, target, smoothing=smoothing)
+    assert loss.isfinite() == (smoothing == 0)
+    torch.testing.assert_close(loss, expected)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        assert got.isfinite().all()
         torch.testing.assert_close(got, want)
 
 

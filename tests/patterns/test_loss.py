@@ -296,6 +296,55 @@ def test_a_linear_and_loss_over_strided_targets_passed_in(impl):
     assert modes(report) == ["forward_grad"]
 
 
+def masked_classes(seed=4):
+    """Logits where about a third of the classes are masked with -inf (invalid actions), never
+    a row's target; row 1's target is ignored."""
+    logits, target = logits_and_targets(pad=-100, seed=seed)
+    masked = torch.rand(ROWS, VOCAB, generator=torch.Generator().manual_seed(seed)) < 0.3
+    masked[torch.arange(ROWS), target.clamp(min=0)] = False
+    return masked, target
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_masked_classes_give_eager_loss_and_gradients(impl, smoothing):
+    """A -inf logit costs nothing without smoothing and inf with it, as in eager; the gradients
+    stay finite."""
+    masked, target = masked_classes()
+    logits = (2 * torch.randn(ROWS, VOCAB)).masked_fill(masked, float("-inf")).requires_grad_()
+
+    def loss(x, t):
+        return F.cross_entropy(x, t, label_smoothing=smoothing)
+
+    check_fusion(loss, [logits, target], counts={"loss": 1})
+    assert loss(logits, target).isfinite() == (smoothing == 0)
+
+
+class MaskedHead(nn.Module):
+    """An output projection whose bias masks every third class with -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, VOCAB)
+        with torch.no_grad():
+            self.proj.bias[1::3] = float("-inf")
+
+    def forward(self, hidden, target):
+        return F.cross_entropy(self.proj(hidden), target)
+
+
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_classes_a_bias_masks(impl):
+    torch.manual_seed(0)
+    _, target = logits_and_targets(pad=-100)
+    target = torch.where(target % 3 == 1, target - 1, target)  # no target is masked
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        MaskedHead(), [hidden, target], counts={"loss": 1}, options={"loss_chunk": 5}
+    )
+    assert modes(report) == ["forward_grad"]
+
+
 BATCH, LENGTH = 2, 6
 
 
