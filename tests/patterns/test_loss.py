@@ -211,6 +211,35 @@ def test_a_label_smoothed_loss_that_is_no_cross_entropy_is_reported(spelling):
     check_fusion(fn, logits_and_targets(pad=1), counts={"loss": 0}, missed=[reason])
 
 
+INT32_TARGETS = {
+    "cross_entropy": lambda x, t: F.cross_entropy(x, t),
+    "nll_of_log_softmax": lambda x, t: F.nll_loss(F.log_softmax(x, -1), t, reduction="sum"),
+    "linear": lambda x, t: F.cross_entropy(F.linear(x, torch.ones(VOCAB, VOCAB)), t),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(INT32_TARGETS))
+def test_int32_targets_are_left_to_eager_which_refuses_them(spelling):
+    logits, target = logits_and_targets()
+    message = "expected target dtype to be Long or Byte, but got Int"
+    with pytest.raises(RuntimeError, match=message):
+        INT32_TARGETS[spelling](logits, target.int())
+    with collecting() as report, pytest.raises(RuntimeError, match=message):
+        torch.compile(INT32_TARGETS[spelling], backend="seqfast")(logits, target.int())
+    assert report.counts["loss"] == 0
+    assert any("torch.int32" in m.reason for m in report.missed), report.missed
+
+
+def test_int32_targets_of_a_written_out_smoothed_loss_fuse_as_gather_takes_them():
+    """Eager's gather takes int32 indices, so the loss read from it gets them as int64."""
+
+    def loss(x, t):
+        return label_smoothed_nll_loss(F.log_softmax(x, dim=-1), t, 0.1, ignore_index=1)
+
+    logits, target = logits_and_targets(pad=1)
+    check_fusion(loss, [logits, target.int()], counts={"loss": 2})
+
+
 def test_class_weights_are_refused_with_the_reason():
     weights = torch.rand(VOCAB) + 0.5
 
