@@ -53,6 +53,15 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         raise IndexError(message)
 
 
+def over_no_classes(rows: int, smoothing: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each row's loss and log-sum-exp when there are no classes (every target is then ignored;
+    nothing is launched): 0, or NaN with smoothing, as eager divides each row's smoothing term,
+    masked or not, by the number of classes (0 / 0)."""
+    fill = float("nan") if smoothing > 0 else 0.0
+    loss = torch.full((rows,), fill, dtype=torch.float32, device=device)
+    return loss, torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
+
+
 # --------------------------------------------------------------------------------------------
 # reference
 
@@ -114,6 +123,8 @@ def loss_and_grad_in_place(
     """Each row's loss and log-sum-exp; then `logits` (contiguous rows) is overwritten with the
     gradient of the rows' losses, each weighted by `scale` (a float32 0-d tensor)."""
     m = logits.shape[0]
+    if logits.shape[1] == 0:
+        return over_no_classes(m, smoothing, logits.device)
     if runtime.use_kernels(logits):
         loss = runtime.empty((m,), torch.float32, logits.device)
         lse = runtime.empty((m,), torch.float32, logits.device)
@@ -142,9 +153,11 @@ def cross_entropy(
             f" {tuple(logits.shape)} and {tuple(target.shape)}"
         )
     check_targets(target, logits.shape[1], ignore_index)
+    m = logits.shape[0]
+    if logits.shape[1] == 0:
+        return over_no_classes(m, smoothing, logits.device)
     if not runtime.use_kernels(logits):
         return reference_rows(logits, target, ignore_index, smoothing)
-    m = logits.shape[0]
     loss = runtime.empty((m,), torch.float32, logits.device)
     lse = runtime.empty((m,), torch.float32, logits.device)
     _launch(
@@ -164,6 +177,8 @@ def _logits_grad(
 ) -> None:
     """Write the gradient of the logits into `out` (contiguous; it may be `logits` itself: each
     element is read before it is written, by the program that writes it)."""
+    if logits.numel() == 0:  # no rows or no classes: no gradient to write
+        return
     if not runtime.use_kernels(logits):
         out.copy_(reference_grad(logits, target, lse, grad, ignore_index, smoothing))
         return

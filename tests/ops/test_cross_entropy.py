@@ -194,6 +194,41 @@ def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
     torch.testing.assert_close(over, expected, rtol=0, atol=0)
 
 
+@pytest.mark.kernels()  # no row, nothing to launch
+def test_no_rows(impl):
+    logits = torch.randn(0, 97).requires_grad_()
+    target = torch.zeros(0, dtype=torch.long)
+    loss = per_row(logits, target, 0.1)
+    assert loss.shape == (0,)
+    mean = loss.sum() / (target != IGNORE).sum()  # the fused loss's mean
+    eager_mean = F.cross_entropy(logits, target, label_smoothing=0.1)
+    assert mean.isnan() and eager_mean.isnan()
+    (grad,) = torch.autograd.grad(mean, logits)
+    (eager_grad,) = torch.autograd.grad(eager_mean, logits)
+    assert grad.shape == eager_grad.shape == (0, 97)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels()  # no class, nothing to launch
+def test_no_classes_and_every_row_ignored(impl, smoothing):
+    """Eager: each row costs 0, or NaN with smoothing (its smoothing term is divided by 0)."""
+    logits = torch.randn(3, 0).requires_grad_()
+    target = torch.full((3,), IGNORE)
+    loss = per_row(logits, target, smoothing)
+    torch.testing.assert_close(loss, eager_rows(logits, target, smoothing), equal_nan=True)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    assert grad.shape == (3, 0)
+
+
+@pytest.mark.kernels()  # refused before any launch
+def test_no_classes_and_a_target_is_an_error(impl):
+    logits = torch.randn(3, 0)
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(logits, torch.tensor([IGNORE, 0, IGNORE]))
+    with pytest.raises(IndexError, match=r"outside \[0, 0\)"):
+        per_row(logits, torch.tensor([IGNORE, 0, IGNORE]), 0.0)
+
+
 @pytest.mark.kernels()  # refused before any launch
 def test_a_target_out_of_range_is_an_error(impl):
     logits, target = logits_and_targets(3, 50)
@@ -308,6 +343,40 @@ def test_linear_loss_with_classes_masked_by_a_minus_inf_bias(impl, smoothing):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("reduction", sorted(REDUCTIONS))
+@pytest.mark.kernels()  # no token, nothing to launch
+def test_linear_loss_of_no_tokens(impl, reduction):
+    """A mean over no token is NaN, a sum 0; the gradients are eager's: empty for the hidden
+    states (not missing), zeros for the weight and bias."""
+    hidden, weight, bias, target = linear_inputs(0, 8, 40, bias=True, ignored=())
+    mean = REDUCTIONS[reduction]
+    loss = fused_linear_loss(hidden, weight, bias, target, mean=mean)
+    expected = eager_linear_loss(hidden, weight, bias, target, mean=mean)
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels()  # no class, nothing to launch
+def test_linear_loss_over_no_classes(impl, smoothing):
+    hidden = torch.randn(5, 8).requires_grad_()
+    weight, bias = torch.randn(0, 8).requires_grad_(), torch.randn(0).requires_grad_()
+    target = torch.full((5,), IGNORE)
+    options = dict(mean=False, smoothing=smoothing)
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=2, **options)
+    expected = eager_linear_loss(hidden, weight, bias, target, **options)
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
 @LINEAR_KERNELS
 def test_all_ignored_tokens(impl):
     hidden, weight, _, target = linear_inputs(4, 8, 50, bias=False, ignored=(0, 1, 2, 3))
@@ -315,7 +384,12 @@ def test_all_ignored_tokens(impl):
     grads = torch.autograd.grad(total, [hidden, weight])
     assert total == 0 and not any(g.any() for g in grads)
     mean = fused_linear_loss(hidden, weight, None, target, mean=True)
-    assert torch.isnan(mean) and torch.isnan(eager_linear_loss(hidden, weight, None, target))
+    eager_mean = eager_linear_loss(hidden, weight, None, target)
+    assert torch.isnan(mean) and torch.isnan(eager_mean)
+    grads = torch.autograd.grad(mean, [hidden, weight])
+    eager_grads = torch.autograd.grad(eager_mean, [hidden, weight])
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)  # zeros: eager's, though the mean is NaN
 
 
 @LINEAR_KERNELS

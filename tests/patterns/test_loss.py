@@ -374,6 +374,46 @@ def test_a_linear_and_loss_over_classes_a_bias_masks(impl):
     assert modes(report) == ["forward_grad"]
 
 
+class PointwiseHead(nn.Module):
+    """A pointwise region, then an output projection and its loss: the region's backward takes
+    the hidden states' gradient from linear + cross-entropy."""
+
+    def __init__(self, reduction):
+        super().__init__()
+        self.proj, self.reduction = nn.Linear(WIDTH, VOCAB), reduction
+
+    def forward(self, hidden, target):
+        logits = self.proj(F.gelu(hidden * 2)).flatten(0, 1)
+        return F.cross_entropy(logits, target.flatten(), reduction=self.reduction)
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (2, 0)], ids=["batch_0", "length_0"])
+@pytest.mark.kernels()  # no token, nothing to launch
+def test_a_training_step_over_no_tokens(impl, shape):
+    """Eager's answer: a sum of 0 and a mean of NaN, an empty gradient for the hidden states
+    and zeros for the parameters."""
+    torch.manual_seed(0)
+    hidden = torch.randn(*shape, WIDTH).requires_grad_()
+    target = torch.randint(VOCAB, shape)
+    check_fusion(PointwiseHead("sum"), [hidden, target], counts={"loss": 1, "pointwise": 1})
+    head = PointwiseHead("mean")
+    loss = torch.compile(head, backend="seqfast")(hidden, target)
+    loss.backward()
+    assert loss.isnan() and hidden.grad.shape == hidden.shape
+    assert not head.proj.weight.grad.any()
+
+
+@pytest.mark.kernels()  # no row, nothing to launch
+def test_cross_entropy_over_no_rows(impl):
+    logits, target = torch.randn(0, VOCAB).requires_grad_(), torch.zeros(0, dtype=torch.long)
+    check_fusion(
+        lambda x, t: F.cross_entropy(x, t, reduction="sum"), [logits, target], counts={"loss": 1}
+    )
+    loss = torch.compile(lambda x, t: F.cross_entropy(x, t), backend="seqfast")(logits, target)
+    loss.backward()
+    assert loss.isnan() and logits.grad.shape == (0, VOCAB)
+
+
 BATCH, LENGTH = 2, 6
 
 
