@@ -13,7 +13,8 @@
   (with the same views allowed between `log_softmax` and its readers; without an ignore index
   fairseq squeezes the trailing 1 of each term instead of masking it) is
   `k * cross_entropy_loss(x, target, reduction=sum, ignore_index=pad, label_smoothing=s)`
-  with k = a + b V and s = b V / k (torch's smoothing spreads s / V over every class). When the
+  with k = a + b V and s = b V / k (torch's smoothing spreads s / V over every class), its
+  target cast to int64 (gather takes int32 indices, cross_entropy_loss does not). When the
   summed nll is read elsewhere too (fairseq logs it), it becomes a second loss without smoothing.
   `read_smoothed_nll` also says why a sum spelled like this loss is not one, for the report.
 """
@@ -315,6 +316,9 @@ def smoothed_nll_written_out(node: Node, ctx: RuleContext) -> Node | None:
     if tensor_val(x).dim() != 2:
         x = ctx.call(aten.reshape.default, x, [-1, vocab])
     target = ctx.call(aten.reshape.default, found.target, [-1])
+    if tensor_val(target).dtype != torch.int64:
+        # gather takes int32 indices where cross_entropy_loss raises for them
+        target = ctx.call(aten.to.dtype, target, torch.int64)
     pad = _NO_PAD if found.pad is None else found.pad
     loss = ctx.call(
         aten.cross_entropy_loss.default, x, target, None, _REDUCTION_SUM, pad, found.smoothing

@@ -1,7 +1,7 @@
 """The `verify` option: when a graph is compiled, it is run beside the graph Dynamo captured
-(eager), on copies of the inputs of the call that made Dynamo compile it, forward and backward
-with the same random output gradients, and every output and input gradient is compared within a
-tolerance for its dtype.
+(eager), on copies of the inputs of the call that made Dynamo compile it (laid out as given:
+sizes, strides and storage offsets), forward and backward with the same random output
+gradients, and every output and input gradient is compared within a tolerance for its dtype.
 
 On a mismatch the fused site responsible is found by bisection (the graph is recompiled fusing only
 the first sites in graph order until the smallest failing prefix is known; repeated while a
@@ -174,11 +174,27 @@ def difference(
     return None
 
 
+def copy_as_given(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`, detached and requiring grad as `t` does, with `t`'s sizes, strides and
+    storage offset. `clone` would make a strided view contiguous and drop its offset, and a
+    fused op that reads some layout wrongly must meet that layout in the comparison as it does
+    in the user's call."""
+    source = t.detach()
+    plain = type(source) is torch.Tensor and source.layout == torch.strided
+    if not plain or source.is_conj() or source.is_neg():
+        return source.clone().requires_grad_(t.requires_grad)
+    offset = source.storage_offset()
+    extent = 0  # elements from the first the view reads to the last, gaps included
+    if source.numel():
+        extent = 1 + sum((n - 1) * s for n, s in zip(source.shape, source.stride(), strict=True))
+    storage = source.new_empty((offset + extent,))
+    storage[offset:].copy_(source.as_strided((extent,), (1,), offset))
+    copy = storage.as_strided(source.shape, source.stride(), offset)
+    return copy.requires_grad_(t.requires_grad)
+
+
 def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    inputs = [
-        a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-        for a in args
-    ]
+    inputs = [copy_as_given(a) if isinstance(a, torch.Tensor) else a for a in args]
     outputs = [t for t in tree_leaves(fn(*inputs)) if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled():
         differentiable = [t for t in outputs if t.requires_grad]

@@ -19,13 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqcompile.backend import seqfast
 from seqcompile.demo import GPTConfig, toy_batch
 from seqcompile.report import CompileReport, collecting
+from seqcompile.verify import copy_as_given
 
 
 def _clone(inputs: Sequence[Any]) -> list[Any]:
-    return [
-        t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-        for t in inputs
-    ]
+    """Copies laid out as given (strides, storage offsets), so each run sees the inputs' layout."""
+    return [copy_as_given(t) if isinstance(t, torch.Tensor) else t for t in inputs]
 
 
 def _outputs(result: Any) -> list[torch.Tensor]:

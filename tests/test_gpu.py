@@ -229,3 +229,54 @@ def test_loss_kernels_match_eager(dtype, vocab):
         strict=True,
     ):
         torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_kernels_on_infinite_logits_and_strided_targets(smoothing):
+    """The CUDA kernels on what the interpreter tests at small sizes: -inf logits (one, on the
+    target, the first blocks of the vocabulary, a whole row), +inf and NaN, targets read
+    through a stride, linear + cross-entropy over a bias that masks classes; eager's loss and
+    gradients, NaN and inf in the same places."""
+    import torch.nn.functional as F
+
+    import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
+    import seqcompile.ops.linear_cross_entropy  # noqa: F401
+
+    vocab, inf = 10000, float("inf")  # 3 blocks of 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(8, vocab, device="cuda", generator=g)
+    pairs = torch.randint(vocab, (8, 2), device="cuda", generator=g)
+    target = pairs[:, 1]
+    target[2] = -100
+    logits[0, (target[0] + 1) % vocab] = -inf
+    logits[1, target[1]] = -inf
+    logits[3] = -inf
+    logits[4, :8192] = -inf
+    target[4] = 9000
+    logits[5, 3] = inf
+    logits[6, 3] = float("nan")
+    logits.requires_grad_()
+    rows, _ = torch.ops.seqfast.cross_entropy(logits, target, -100, smoothing)
+    expected = F.cross_entropy(logits, target, label_smoothing=smoothing, reduction="none")
+    torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4, equal_nan=True)
+    cotangent = torch.rand(8, device="cuda", generator=g)
+    (grad,) = torch.autograd.grad(rows, logits, cotangent)
+    (eager,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+    hidden = torch.randn(257, 64, device="cuda", generator=g).requires_grad_()
+    weight = (torch.randn(vocab, 64, device="cuda", generator=g) / 8).requires_grad_()
+    bias = torch.zeros(vocab, device="cuda")
+    bias[1::3] = -inf
+    bias.requires_grad_()
+    target = torch.randint(vocab // 3, (257, 2), device="cuda", generator=g)[:, 1] * 3
+    loss = torch.ops.seqfast.linear_cross_entropy(
+        hidden, weight, bias, target, -100, smoothing, True, 64, torch.float32, [True] * 3
+    )[0]
+    expected = F.cross_entropy(F.linear(hidden, weight, bias), target, label_smoothing=smoothing)
+    torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqcompile import verify
-from seqcompile.ops import norm_reference
+from seqcompile.ops import cross_entropy, norm_reference
 from seqcompile.report import collecting
 
 
@@ -173,3 +173,55 @@ def test_a_difference_that_does_not_repeat_blames_no_site():
         lambda x: x * 2, lambda only: (compiled, sites), [torch.ones(3)], list(sites), []
     )
     assert culprit is None
+
+
+def strided_views():
+    """A column of a wider tensor, one row into its storage; the second column of pairs; an
+    expanded row; and, for contrast, a contiguous tensor and a 0-d one."""
+    return [
+        torch.randn(5, 7)[1:, ::3],
+        torch.randint(10, (6, 2))[:, 1],
+        torch.randn(1, 4).expand(3, 4),
+        torch.randn(2, 3),
+        torch.randn(()),
+        torch.randn(4, 0)[1:],
+    ]
+
+
+def test_both_runs_get_the_inputs_laid_out_as_given():
+    """Sizes, strides and storage offsets as the user passed them, in storage of their own."""
+    given = strided_views()
+    seen = []
+
+    def record(*inputs):
+        seen.append([(t.shape, t.stride(), t.storage_offset(), t.data_ptr()) for t in inputs])
+        return inputs[0] * 2
+
+    assert verify.difference(record, record, given) is None
+    for run in seen:
+        for (shape, stride, offset, pointer), t in zip(run, given, strict=True):
+            assert (shape, stride, offset) == (t.shape, t.stride(), t.storage_offset())
+            assert pointer != t.data_ptr() or t.numel() == 0
+    for t in given:
+        copy = verify.copy_as_given(t.requires_grad_(t.is_floating_point()))
+        assert torch.equal(copy, t) and copy.requires_grad == t.requires_grad and copy.is_leaf
+
+
+def test_a_site_wrong_only_for_strided_targets_is_found(monkeypatch):
+    """A loss that reads its targets as if they were contiguous (a mistake the cross-entropy
+    kernels once made) is found when the targets passed in are a column of pairs."""
+    real = cross_entropy.reference_rows
+
+    def contiguous_targets(logits, target, ignore_index, smoothing):
+        return real(logits, target.as_strided(target.shape, (1,)), ignore_index, smoothing)
+
+    monkeypatch.setattr(cross_entropy, "reference_rows", contiguous_targets)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 11, generator=g).requires_grad_()
+    targets = torch.randint(11, (6, 2), generator=g)[:, 1]
+    with collecting() as report, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        loss = seqfast(lambda x, t: F.cross_entropy(x, t), verify=True)(logits, targets)
+    (finding,) = report.verified
+    assert [site.split(":")[0] for site in finding.left_unfused] == ["loss"]
+    torch.testing.assert_close(loss, F.cross_entropy(logits, targets))

@@ -53,6 +53,15 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         raise IndexError(message)
 
 
+def over_no_classes(rows: int, smoothing: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each row's loss and log-sum-exp when there are no classes (every target is then ignored;
+    nothing is launched): 0, or NaN with smoothing, as eager divides each row's smoothing term,
+    masked or not, by the number of classes (0 / 0)."""
+    fill = float("nan") if smoothing > 0 else 0.0
+    loss = torch.full((rows,), fill, dtype=torch.float32, device=device)
+    return loss, torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
+
+
 # --------------------------------------------------------------------------------------------
 # reference
 
@@ -62,9 +71,14 @@ def reference_rows(
 ) -> tuple[Tensor, Tensor]:
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
+    # eager's log_softmax subtracts the row's maximum, so a +inf logit makes the row NaN (inf -
+    # inf); logsumexp alone would give an infinite loss
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))
     ignored = target == ignore_index
     picked = x.gather(1, torch.where(ignored, 0, target).unsqueeze(1)).squeeze(1)
-    loss = lse - (1.0 - smoothing) * picked - (smoothing / x.shape[-1]) * x.sum(-1)
+    loss = (1.0 - smoothing) * (lse - picked)
+    if smoothing > 0:  # as eager: without smoothing a -inf logit's 0 * (-inf) would be NaN
+        loss = loss + smoothing * (lse - x.sum(-1) / x.shape[-1])
     return loss.masked_fill(ignored, 0.0), lse
 
 
@@ -85,11 +99,18 @@ def reference_grad(
 
 
 def _launch(mode: str, logits: Tensor, target: Tensor, *tensors: Tensor, ignore_index, smoothing):
+    """Launch one program per row. The kernels read the logits' rows, the targets and, in the
+    backward, the log-sum-exp and incoming gradients through their strides (views, a column of
+    pairs, an expanded scalar gradient); what they write (loss, lse, gradient) is contiguous, as
+    the callers allocate it."""
     m, vocab = logits.shape
     if m == 0:
         return
     block, warps = _block(vocab)
-    strides = (logits.stride(0),) + ((tensors[1].stride(0),) if mode == "backward" else ())
+    strides = [logits.stride(0), target.stride(0)]
+    if mode == "backward":
+        lse, grad = tensors[0], tensors[1]
+        strides += [lse.stride(0), grad.stride(0)]
     kernel_function(spec(mode))[(m,)](
         logits, target, *tensors, vocab, *strides, ignore_index, smoothing,
         BLOCK_V=block, num_warps=warps,
@@ -102,6 +123,8 @@ def loss_and_grad_in_place(
     """Each row's loss and log-sum-exp; then `logits` (contiguous rows) is overwritten with the
     gradient of the rows' losses, each weighted by `scale` (a float32 0-d tensor)."""
     m = logits.shape[0]
+    if logits.shape[1] == 0:
+        return over_no_classes(m, smoothing, logits.device)
     if runtime.use_kernels(logits):
         loss = runtime.empty((m,), torch.float32, logits.device)
         lse = runtime.empty((m,), torch.float32, logits.device)
@@ -130,9 +153,11 @@ def cross_entropy(
             f" {tuple(logits.shape)} and {tuple(target.shape)}"
         )
     check_targets(target, logits.shape[1], ignore_index)
+    m = logits.shape[0]
+    if logits.shape[1] == 0:
+        return over_no_classes(m, smoothing, logits.device)
     if not runtime.use_kernels(logits):
         return reference_rows(logits, target, ignore_index, smoothing)
-    m = logits.shape[0]
     loss = runtime.empty((m,), torch.float32, logits.device)
     lse = runtime.empty((m,), torch.float32, logits.device)
     _launch(
@@ -152,6 +177,8 @@ def _logits_grad(
 ) -> None:
     """Write the gradient of the logits into `out` (contiguous; it may be `logits` itself: each
     element is read before it is written, by the program that writes it)."""
+    if logits.numel() == 0:  # no rows or no classes: no gradient to write
+        return
     if not runtime.use_kernels(logits):
         out.copy_(reference_grad(logits, target, lse, grad, ignore_index, smoothing))
         return

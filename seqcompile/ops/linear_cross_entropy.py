@@ -156,6 +156,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(dh, dw, db)
     ctx.save_for_backward(dh, dw, db)
     ctx.has_bias = inputs[2] is not None
+    ctx.computed = inputs[9]  # needs_grad: which of dh, dw, db the forward computed
     ctx.set_materialize_grads(False)
 
 
@@ -163,11 +164,13 @@ def _backward(ctx, grad, *_unused):
     if grad is None:
         return (None,) * 10
     dh, dw, db = torch.ops.seqfast.linear_cross_entropy_backward(grad, *ctx.saved_tensors)
-    wanted = ctx.needs_input_grad
+    # by the flags, not by size: with no tokens (or no classes) a computed gradient is empty,
+    # and autograd wants it, empty, where the input requires grad
+    wanted = [ctx.needs_input_grad[i] and ctx.computed[i] for i in range(3)]
     return (
-        dh if wanted[0] and dh.numel() else None,
-        dw if wanted[1] and dw.numel() else None,
-        db if ctx.has_bias and wanted[2] and db.numel() else None,
+        dh if wanted[0] else None,
+        dw if wanted[1] else None,
+        db if ctx.has_bias and wanted[2] else None,
     ) + (None,) * 7
 
 

@@ -91,6 +91,16 @@ def _read_loss(node: Node) -> Loss | Reject | None:
         return Reject("logits of rank {} (the fused loss takes classes on dim 1)", xv.dim())
     if tv is None or tv.dtype.is_floating_point or tv.dim() != xv.dim() - 1:
         return Reject("targets must be class indices, one per row; probabilities are not")
+    if tv.dtype != torch.int64:
+        # eager raises for int32 and the other integer types (uint8, which it takes, Dynamo's
+        # tracing of the loss refuses first); left in the graph, the loss raises eager's error
+        # when the rest runs eagerly (Inductor's decomposition takes int32, as it does without
+        # seqfast)
+        return Reject(
+            "targets of dtype {} are left to eager, whose cross-entropy raises for any integer"
+            " type but int64 and uint8; pass int64 targets (target.long()) to fuse the loss",
+            tv.dtype,
+        )
     if xv.dtype not in (torch.float32, *_HALF):
         return Reject("logits dtype {} is not supported (float32, float16, bfloat16)", xv.dtype)
     if not 0.0 <= smoothing <= 1.0:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
-import seqcompile.ops.linear_cross_entropy  # noqa: F401
+import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers the op)
+from seqcompile.ops import cross_entropy as ce
 from seqcompile.ops.linear_cross_entropy import default_chunk
 
 IGNORE = -100
@@ -76,11 +76,109 @@ def test_strided_rows_and_a_broadcast_incoming_gradient(impl):
     torch.testing.assert_close(grad, eager_grad)
 
 
+TARGET_LAYOUTS = ["contiguous", "step", "column", "offset", "expanded"]
+
+
+def in_layout(t, layout):
+    """The 1-d tensor `t` laid out as `layout`: every other element of a longer tensor (`step`),
+    the second column of (rows, 2) pairs, one element into its storage (`offset`), or its first
+    value expanded with stride 0 (its values change). The elements between are `t` shifted, so
+    a kernel reading the wrong ones reads other valid classes."""
+    if layout == "contiguous":
+        return t
+    if layout == "expanded":
+        return t[:1].expand(t.shape[0])
+    if layout == "offset":
+        return torch.cat([t[-1:], t])[1:]
+    pairs = torch.stack([t.roll(1), t], dim=1)
+    return pairs.flatten()[1::2] if layout == "step" else pairs[:, 1]
+
+
+@pytest.mark.parametrize("layout", TARGET_LAYOUTS)
+def test_targets_in_any_layout(impl, layout):
+    logits, target = logits_and_targets(6, 97)
+    target = in_layout(target, layout)
+    assert layout == "contiguous" or not target.is_contiguous() or target.storage_offset()
+    cotangent = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    loss = per_row(logits, target, 0.1)
+    expected = eager_rows(logits, target, 0.1)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, logits, cotangent)
+    (eager_grad,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager_grad)
+
+
+def test_the_backward_reads_lse_and_incoming_gradients_through_their_strides(impl):
+    logits, target = logits_and_targets(5, 97)
+    logits = logits.detach()
+    _, lse = torch.ops.seqfast.cross_entropy(logits, target, IGNORE, 0.1)
+    grad = torch.randn(5, generator=torch.Generator().manual_seed(2))
+    expected = torch.ops.seqfast.cross_entropy_backward(grad, logits, target, lse, IGNORE, 0.1)
+    got = torch.ops.seqfast.cross_entropy_backward(
+        in_layout(grad, "step"), logits, in_layout(target, "column"), in_layout(lse, "offset"),
+        IGNORE, 0.1,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_all_ignored_rows_give_zero_loss_and_zero_gradient(impl):
     logits, target = logits_and_targets(3, 50, ignored=(0, 1, 2))
     loss = per_row(logits, target, 0.2)
     (grad,) = torch.autograd.grad(loss.sum(), logits)
     assert not loss.any() and not grad.any()
+
+
+INF = float("inf")
+
+
+def rows_with_infinities(vocab):
+    """Rows with a -inf logit off the target, on the target, on an ignored row, every logit
+    -inf (eager: NaN), every logit -inf on an ignored row, a +inf logit, a NaN logit, and a
+    plain row."""
+    logits, target = logits_and_targets(8, vocab, ignored=(2, 4))
+    x = logits.detach()
+    x[0, (target[0] + 1) % vocab] = -INF
+    x[1, target[1]] = -INF
+    x[2, :5] = -INF
+    x[3] = -INF
+    x[4] = -INF
+    x[5, 3] = INF
+    x[6, 3] = float("nan")
+    return x.requires_grad_(), target
+
+
+def assert_matches_eager(loss, expected, logits):
+    """Loss and gradient as eager's, infinities and NaN in the same places."""
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    cotangent = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+    (grad,) = torch.autograd.grad(loss, logits, cotangent)
+    (eager_grad,) = torch.autograd.grad(expected, logits, cotangent)
+    torch.testing.assert_close(grad, eager_grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 1.0])
+def test_infinite_and_nan_logits_give_eager_loss_and_gradient(impl, smoothing):
+    logits, target = rows_with_infinities(37)
+    loss = per_row(logits, target, smoothing)
+    assert loss[0].isfinite() == (smoothing == 0)  # with smoothing a -inf logit costs inf
+    assert_matches_eager(loss, eager_rows(logits, target, smoothing), logits)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_block_of_the_vocabulary_that_is_all_minus_inf(impl, smoothing, monkeypatch):
+    """The online log-sum-exp meets a block whose maximum is -inf (the first, or the first two)
+    before any finite logit."""
+    monkeypatch.setattr(ce, "MAX_BLOCK_V", 16)
+    logits, target = logits_and_targets(3, 40, ignored=())
+    x = logits.detach()
+    x[0, :16] = -INF
+    x[1, :32] = -INF
+    x[2, 20:] = -INF
+    target[:2] = 35
+    logits = x.requires_grad_()
+    loss = per_row(logits, target, smoothing)
+    assert loss[:2].isfinite().all() == (smoothing == 0)
+    assert_matches_eager(loss, eager_rows(logits, target, smoothing), logits)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
@@ -94,6 +192,41 @@ def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
     torch.ops.seqfast.cross_entropy_backward_in_place(grad, over, target, lse, IGNORE, 0.1)
     assert over.dtype == torch.bfloat16
     torch.testing.assert_close(over, expected, rtol=0, atol=0)
+
+
+@pytest.mark.kernels()  # no row, nothing to launch
+def test_no_rows(impl):
+    logits = torch.randn(0, 97).requires_grad_()
+    target = torch.zeros(0, dtype=torch.long)
+    loss = per_row(logits, target, 0.1)
+    assert loss.shape == (0,)
+    mean = loss.sum() / (target != IGNORE).sum()  # the fused loss's mean
+    eager_mean = F.cross_entropy(logits, target, label_smoothing=0.1)
+    assert mean.isnan() and eager_mean.isnan()
+    (grad,) = torch.autograd.grad(mean, logits)
+    (eager_grad,) = torch.autograd.grad(eager_mean, logits)
+    assert grad.shape == eager_grad.shape == (0, 97)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels()  # no class, nothing to launch
+def test_no_classes_and_every_row_ignored(impl, smoothing):
+    """Eager: each row costs 0, or NaN with smoothing (its smoothing term is divided by 0)."""
+    logits = torch.randn(3, 0).requires_grad_()
+    target = torch.full((3,), IGNORE)
+    loss = per_row(logits, target, smoothing)
+    torch.testing.assert_close(loss, eager_rows(logits, target, smoothing), equal_nan=True)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    assert grad.shape == (3, 0)
+
+
+@pytest.mark.kernels()  # refused before any launch
+def test_no_classes_and_a_target_is_an_error(impl):
+    logits = torch.randn(3, 0)
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(logits, torch.tensor([IGNORE, 0, IGNORE]))
+    with pytest.raises(IndexError, match=r"outside \[0, 0\)"):
+        per_row(logits, torch.tensor([IGNORE, 0, IGNORE]), 0.0)
 
 
 @pytest.mark.kernels()  # refused before any launch
@@ -174,6 +307,76 @@ def test_chunked_equals_unchunked(impl):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("layout", TARGET_LAYOUTS)
+@pytest.mark.parametrize("chunk", [1, 4, 0])
+@LINEAR_KERNELS
+def test_linear_loss_with_targets_in_any_layout(impl, layout, chunk):
+    hidden, weight, bias, target = linear_inputs(20, 8, 97, bias=True)  # default chunk: 2 rows
+    target = in_layout(target, layout)
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=chunk, smoothing=0.1)
+    expected = eager_linear_loss(hidden, weight, bias, target, smoothing=0.1)
+    torch.testing.assert_close(loss, expected)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@LINEAR_KERNELS
+def test_linear_loss_with_classes_masked_by_a_minus_inf_bias(impl, smoothing):
+    hidden, weight, bias, target = linear_inputs(10, 8, 40, bias=True)
+    masked = torch.zeros(40, dtype=torch.bool)
+    masked[::3] = True
+    bias = bias.detach().masked_fill(masked, -INF).requires_grad_()
+    target[target % 3 == 0] += 1  # targets are never masked
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=4, smoothing=smoothing)
+    expected = eager_linear_loss(hidden, weight, bias, target, smoothing=smoothing)
+    assert loss.isfinite() == (smoothing == 0)
+    torch.testing.assert_close(loss, expected)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("reduction", sorted(REDUCTIONS))
+@pytest.mark.kernels()  # no token, nothing to launch
+def test_linear_loss_of_no_tokens(impl, reduction):
+    """A mean over no token is NaN, a sum 0; the gradients are eager's: empty for the hidden
+    states (not missing), zeros for the weight and bias."""
+    hidden, weight, bias, target = linear_inputs(0, 8, 40, bias=True, ignored=())
+    mean = REDUCTIONS[reduction]
+    loss = fused_linear_loss(hidden, weight, bias, target, mean=mean)
+    expected = eager_linear_loss(hidden, weight, bias, target, mean=mean)
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels()  # no class, nothing to launch
+def test_linear_loss_over_no_classes(impl, smoothing):
+    hidden = torch.randn(5, 8).requires_grad_()
+    weight, bias = torch.randn(0, 8).requires_grad_(), torch.randn(0).requires_grad_()
+    target = torch.full((5,), IGNORE)
+    options = dict(mean=False, smoothing=smoothing)
+    loss = fused_linear_loss(hidden, weight, bias, target, chunk=2, **options)
+    expected = eager_linear_loss(hidden, weight, bias, target, **options)
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    wrt = [hidden, weight, bias]
+    for got, want in zip(
+        torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
+    ):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
 @LINEAR_KERNELS
 def test_all_ignored_tokens(impl):
     hidden, weight, _, target = linear_inputs(4, 8, 50, bias=False, ignored=(0, 1, 2, 3))
@@ -181,7 +384,12 @@ def test_all_ignored_tokens(impl):
     grads = torch.autograd.grad(total, [hidden, weight])
     assert total == 0 and not any(g.any() for g in grads)
     mean = fused_linear_loss(hidden, weight, None, target, mean=True)
-    assert torch.isnan(mean) and torch.isnan(eager_linear_loss(hidden, weight, None, target))
+    eager_mean = eager_linear_loss(hidden, weight, None, target)
+    assert torch.isnan(mean) and torch.isnan(eager_mean)
+    grads = torch.autograd.grad(mean, [hidden, weight])
+    eager_grads = torch.autograd.grad(eager_mean, [hidden, weight])
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)  # zeros: eager's, though the mean is NaN
 
 
 @LINEAR_KERNELS

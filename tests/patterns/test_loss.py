@@ -211,6 +211,35 @@ def test_a_label_smoothed_loss_that_is_no_cross_entropy_is_reported(spelling):
     check_fusion(fn, logits_and_targets(pad=1), counts={"loss": 0}, missed=[reason])
 
 
+INT32_TARGETS = {
+    "cross_entropy": lambda x, t: F.cross_entropy(x, t),
+    "nll_of_log_softmax": lambda x, t: F.nll_loss(F.log_softmax(x, -1), t, reduction="sum"),
+    "linear": lambda x, t: F.cross_entropy(F.linear(x, torch.ones(VOCAB, VOCAB)), t),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(INT32_TARGETS))
+def test_int32_targets_are_left_to_eager_which_refuses_them(spelling):
+    logits, target = logits_and_targets()
+    message = "expected target dtype to be Long or Byte, but got Int"
+    with pytest.raises(RuntimeError, match=message):
+        INT32_TARGETS[spelling](logits, target.int())
+    with collecting() as report, pytest.raises(RuntimeError, match=message):
+        torch.compile(INT32_TARGETS[spelling], backend="seqfast")(logits, target.int())
+    assert report.counts["loss"] == 0
+    assert any("torch.int32" in m.reason for m in report.missed), report.missed
+
+
+def test_int32_targets_of_a_written_out_smoothed_loss_fuse_as_gather_takes_them():
+    """Eager's gather takes int32 indices, so the loss read from it gets them as int64."""
+
+    def loss(x, t):
+        return label_smoothed_nll_loss(F.log_softmax(x, dim=-1), t, 0.1, ignore_index=1)
+
+    logits, target = logits_and_targets(pad=1)
+    check_fusion(loss, [logits, target.int()], counts={"loss": 2})
+
+
 def test_class_weights_are_refused_with_the_reason():
     weights = torch.rand(VOCAB) + 0.5
 
@@ -218,6 +247,171 @@ def test_class_weights_are_refused_with_the_reason():
         return F.cross_entropy(x, t, weight=weights)
 
     check_fusion(loss, logits_and_targets(), counts={"loss": 0}, missed=["class weights"])
+
+
+TARGET_VIEWS = {
+    "every_other": lambda t: t.flatten()[1::2],
+    "column_of_pairs": lambda t: t[:, 1],
+}
+"""Strided views of (ROWS, 2) pairs that select the same ROWS targets."""
+
+
+def target_pairs():
+    g = torch.Generator().manual_seed(3)
+    pairs = torch.randint(VOCAB, (ROWS, 2), generator=g)
+    pairs[1, 1] = -100
+    return pairs
+
+
+@pytest.mark.parametrize("spelling", sorted(TARGET_VIEWS))
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_a_strided_view_of_the_targets(impl, spelling):
+    def loss(x, pairs):
+        return F.cross_entropy(x, TARGET_VIEWS[spelling](pairs), label_smoothing=0.1)
+
+    logits, _ = logits_and_targets()
+    check_fusion(loss, [logits, target_pairs()], counts={"loss": 1})
+
+
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_strided_targets_passed_in(impl):
+    logits, _ = logits_and_targets()
+    targets = target_pairs()[:, 1]
+    check_fusion(lambda x, t: F.cross_entropy(x, t), [logits, targets], counts={"loss": 1})
+
+
+class TargetViewHead(nn.Module):
+    """An output projection and its loss over a strided view of the targets."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.proj, self.spelling = nn.Linear(WIDTH, VOCAB), spelling
+
+    def forward(self, hidden, pairs):
+        return F.cross_entropy(self.proj(hidden), TARGET_VIEWS[self.spelling](pairs))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 0])
+@pytest.mark.parametrize("spelling", sorted(TARGET_VIEWS))
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_a_strided_view_of_the_targets(impl, spelling, chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        TargetViewHead(spelling),
+        [hidden, target_pairs()],
+        counts={"loss": 1},
+        options={"loss_chunk": chunk},
+    )
+    assert modes(report) == ["forward_grad"]
+
+
+class Projection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, hidden, target):
+        return F.cross_entropy(self.proj(hidden), target, reduction="sum")
+
+
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_strided_targets_passed_in(impl):
+    torch.manual_seed(0)
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        Projection(), [hidden, target_pairs()[:, 1]], counts={"loss": 1}, options={"loss_chunk": 5}
+    )
+    assert modes(report) == ["forward_grad"]
+
+
+def masked_classes(seed=4):
+    """Logits where about a third of the classes are masked with -inf (invalid actions), never
+    a row's target; row 1's target is ignored."""
+    logits, target = logits_and_targets(pad=-100, seed=seed)
+    masked = torch.rand(ROWS, VOCAB, generator=torch.Generator().manual_seed(seed)) < 0.3
+    masked[torch.arange(ROWS), target.clamp(min=0)] = False
+    return masked, target
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+def test_masked_classes_give_eager_loss_and_gradients(impl, smoothing):
+    """A -inf logit costs nothing without smoothing and inf with it, as in eager; the gradients
+    stay finite."""
+    masked, target = masked_classes()
+    logits = (2 * torch.randn(ROWS, VOCAB)).masked_fill(masked, float("-inf")).requires_grad_()
+
+    def loss(x, t):
+        return F.cross_entropy(x, t, label_smoothing=smoothing)
+
+    check_fusion(loss, [logits, target], counts={"loss": 1})
+    assert loss(logits, target).isfinite() == (smoothing == 0)
+
+
+class MaskedHead(nn.Module):
+    """An output projection whose bias masks every third class with -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, VOCAB)
+        with torch.no_grad():
+            self.proj.bias[1::3] = float("-inf")
+
+    def forward(self, hidden, target):
+        return F.cross_entropy(self.proj(hidden), target)
+
+
+@pytest.mark.kernels("cross_entropy:forward_grad")
+def test_a_linear_and_loss_over_classes_a_bias_masks(impl):
+    torch.manual_seed(0)
+    _, target = logits_and_targets(pad=-100)
+    target = torch.where(target % 3 == 1, target - 1, target)  # no target is masked
+    hidden = torch.randn(ROWS, WIDTH).requires_grad_()
+    report = check_fusion(
+        MaskedHead(), [hidden, target], counts={"loss": 1}, options={"loss_chunk": 5}
+    )
+    assert modes(report) == ["forward_grad"]
+
+
+class PointwiseHead(nn.Module):
+    """A pointwise region, then an output projection and its loss: the region's backward takes
+    the hidden states' gradient from linear + cross-entropy."""
+
+    def __init__(self, reduction):
+        super().__init__()
+        self.proj, self.reduction = nn.Linear(WIDTH, VOCAB), reduction
+
+    def forward(self, hidden, target):
+        logits = self.proj(F.gelu(hidden * 2)).flatten(0, 1)
+        return F.cross_entropy(logits, target.flatten(), reduction=self.reduction)
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (2, 0)], ids=["batch_0", "length_0"])
+@pytest.mark.kernels()  # no token, nothing to launch
+def test_a_training_step_over_no_tokens(impl, shape):
+    """Eager's answer: a sum of 0 and a mean of NaN, an empty gradient for the hidden states
+    and zeros for the parameters."""
+    torch.manual_seed(0)
+    hidden = torch.randn(*shape, WIDTH).requires_grad_()
+    target = torch.randint(VOCAB, shape)
+    check_fusion(PointwiseHead("sum"), [hidden, target], counts={"loss": 1, "pointwise": 1})
+    head = PointwiseHead("mean")
+    loss = torch.compile(head, backend="seqfast")(hidden, target)
+    loss.backward()
+    assert loss.isnan() and hidden.grad.shape == hidden.shape
+    assert not head.proj.weight.grad.any()
+
+
+@pytest.mark.kernels()  # no row, nothing to launch
+def test_cross_entropy_over_no_rows(impl):
+    logits, target = torch.randn(0, VOCAB).requires_grad_(), torch.zeros(0, dtype=torch.long)
+    check_fusion(
+        lambda x, t: F.cross_entropy(x, t, reduction="sum"), [logits, target], counts={"loss": 1}
+    )
+    loss = torch.compile(lambda x, t: F.cross_entropy(x, t), backend="seqfast")(logits, target)
+    loss.backward()
+    assert loss.isnan() and logits.grad.shape == (0, VOCAB)
 
 
 BATCH, LENGTH = 2, 6
