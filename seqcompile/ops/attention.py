@@ -505,7 +505,9 @@ def backward_kernels(
         skips = causal or window > 0 or documents is not None  # (a prefix is causal's)
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
-    drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
+    drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
+    if rel_grad:
+        drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or lk == 0:
         for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
             t.zero_()
