@@ -355,7 +355,8 @@ def _backward(ctx, grads):
     seed, *saved_all = ctx.saved_tensors
     grad_terms = tuple(int(g is not None) for g in grads)
     if not any(grad_terms) or not any(needs_grad):
-        return None, None, None, None
+        # autograd checks the structure: the tensor list takes a list of (absent) gradients
+        return [None] * len(metas), None, None, None
     full_plan = regions.backward_plan(region, needs_grad, *_unfolded(len(grads)))
     plan = regions.backward_plan(region, needs_grad, grad_terms, (False,) * len(grads))
     kept = iter(saved_all)

@@ -259,6 +259,31 @@ def test_empty_and_single_element_regions(impl):
     assert outs[0].shape == (0, 7)
 
 
+class _NoGradient(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (None), as the fused linear + cross-entropy
+    gives its hidden states for an empty batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.kernels("pointwise:forward")  # no gradient arrives: no backward kernel
+def test_an_output_given_no_gradient_gives_the_inputs_none(impl):
+    """The backward answers a list of None for the list of inputs (autograd checks the
+    structure; a bare None failed with "Expected the return from backward to be of the same
+    structure as the inputs")."""
+    x, b = make(SHAPE), make((7,), seed=1)
+    region = region_of_function(lambda x, b: F.gelu(x + b), [x, b])
+    (out,) = pointwise([x, b], None, 0, region.key)
+    dx, db = torch.autograd.grad(_NoGradient.apply(out).sum(), [x, b], allow_unused=True)
+    assert dx is None and db is None
+
+
 def test_the_backward_saves_only_the_inputs_it_reads():
     """x + dropout(h) needs no input for its backward, gelu(x + b) needs x and b."""
     x, b, h = make(SHAPE), make((7,), seed=1), make(SHAPE, seed=2)
