@@ -252,6 +252,14 @@ def test_non_contiguous_and_expanded_inputs(impl):
     check(*run(fn, [x, y.unsqueeze(0).expand(3, 5, 7)]))
 
 
+def test_a_strided_operand_of_a_region_that_collapses_to_one_dimension(impl):
+    """Every dimension merges (each operand walks its rows evenly) but one operand reads every
+    other element: the kernel indexes its one dimension by the flat index (it had named an
+    undefined `inner0`)."""
+    x = make((3, 5, 14))[..., ::2]
+    check(*run(lambda x, y: F.silu(x) * y, [x, make((3, 5, 7), seed=1)]))
+
+
 def test_empty_and_single_element_regions(impl):
     fn = lambda x, b: F.silu(x + b)  # noqa: E731
     check(*run(fn, [make((1, 1)), make((1,), seed=1)]))
