@@ -37,7 +37,7 @@ from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
-from seqcompile.ops import score_mods
+from seqcompile.ops import samples_attention, score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp
 
@@ -608,4 +608,5 @@ ENTRY = FusedOp(
     },
     workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
     describe=describe,
+    samples=samples_attention.samples,
 )

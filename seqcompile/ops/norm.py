@@ -24,6 +24,7 @@ import triton
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops import norm_reference as reference
+from seqcompile.ops import samples_norm
 from seqcompile.ops.fused_op import FusedOp
 
 Tensor = torch.Tensor
@@ -369,4 +370,5 @@ ENTRY = FusedOp(
     },
     saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
     " mask is regenerated from the seed",
+    samples=samples_norm.samples,
 )

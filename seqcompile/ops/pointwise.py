@@ -23,6 +23,7 @@ from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops import samples_pointwise
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.random import keep_mask
 
@@ -405,4 +406,5 @@ ENTRY = FusedOp(
     },
     saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
     label=lambda call: regions.lookup(call["region"]).name,
+    samples=samples_pointwise.samples,
 )
