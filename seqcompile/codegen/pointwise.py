@@ -391,7 +391,9 @@ def render(
 
     coords = []
     for d in sorted(used_dims):
-        if d == 0:
+        if rank == 1:  # the region collapsed to one dimension: its index is the coordinate
+            coords.append("c0 = idx")
+        elif d == 0:
             coords.append("c0 = idx // inner0")
         elif d == rank - 1:
             coords.append(f"c{d} = idx % size{d}")

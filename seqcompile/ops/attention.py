@@ -37,7 +37,7 @@ from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
-from seqcompile.ops import score_mods
+from seqcompile.ops import samples_attention, score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp
 
@@ -505,7 +505,9 @@ def backward_kernels(
         skips = causal or window > 0 or documents is not None  # (a prefix is causal's)
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(shape, dtype=torch.float32, device=q.device)
-    drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
+    drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
+    if rel_grad:
+        drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or lk == 0:
         for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
             t.zero_()
@@ -606,4 +608,5 @@ ENTRY = FusedOp(
     },
     workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
     describe=describe,
+    samples=samples_attention.samples,
 )

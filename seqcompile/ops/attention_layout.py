@@ -58,7 +58,8 @@ class Layout:
         kv_batch = torch.broadcast_shapes(kp.shape[:-2], vp.shape[:-2])
         q_heads, kv_heads = qp.shape[-3], kv_batch[-1]
         heads = kv_heads if q_heads == 1 else q_heads
-        if kv_heads == 0 or heads % kv_heads:
+        # no key/value heads: only no query heads (an empty result, as eager's) group over them
+        if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads):
             raise ValueError(
                 f"seqfast::attention: query heads ({q_heads}) must be a multiple of key/value "
                 f"heads ({kv_heads})"

@@ -27,8 +27,9 @@ Tensor = torch.Tensor
 
 def expand_heads(t: Tensor, heads: int) -> Tensor:
     """Key/value heads repeated for the query heads that share them (grouped-query attention)."""
-    group = heads // t.shape[1]
-    return t if group == 1 else t.repeat_interleave(group, dim=1)
+    if t.shape[1] == heads:  # (no heads at all included)
+        return t
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def diagonal_keep(
@@ -171,6 +172,8 @@ def no_bias_grad(q: Tensor, bias: Tensor | None) -> Tensor:
 def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
     """Gradient per query head summed over the query heads that share a key/value head."""
     b, h, length, d = grad.shape
+    if h == kv_heads:  # (no heads at all included)
+        return grad
     return grad.view(b, kv_heads, h // kv_heads, length, d).sum(2)
 
 

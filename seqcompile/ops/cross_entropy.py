@@ -19,6 +19,7 @@ import triton
 
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.ops import samples_loss
 from seqcompile.ops.fused_op import FusedOp, InPlace
 
 Tensor = torch.Tensor
@@ -250,4 +251,5 @@ ENTRY = FusedOp(
         twin=torch.ops.seqfast.cross_entropy_backward_in_place.default,
         over="logits",
     ),
+    samples=samples_loss.cross_entropy_samples,
 )

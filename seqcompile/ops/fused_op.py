@@ -1,14 +1,15 @@
 """What the compiler knows about one fused operator, declared once: `FusedOp` is a registry entry
 (its forward and backward ops, the kernels each launches, its cost, what its backward keeps, its
-workspace, its in-place twin and its gradient-accumulation hook), and `Call` reads a graph node
-of one of its ops by argument name. Every stage asks the entry (through `ops/registry.py`) and
-reads arguments through `Call`; nothing indexes a fused op's positional arguments.
+workspace, its in-place twin, its gradient-accumulation hook and its sample inputs), and `Call`
+reads a graph node of one of its ops by argument name. Every stage asks the entry (through
+`ops/registry.py`) and reads arguments through `Call`; nothing indexes a fused op's positional
+arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch.fx import Node
 
 from seqcompile.codegen import KernelSpec
 from seqcompile.fx_utils import tensor_val
+from seqcompile.ops.samples import Sample
 
 OpOverload = torch._ops.OpOverload
 
@@ -137,6 +139,10 @@ class FusedOp:
     describe: Callable[[Call], str | None] | None = None
     """What the report says about a forward call at the traced sizes, beyond its kernels (the
     masks attention computes or reads, and the blocks it skips)."""
+    samples: Callable[[], Iterable[Sample]] | None = None
+    """The forward's sample inputs, each with the eager composition that defines its answer
+    (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
+    `tests/ops/test_samples.py` runs each in every layout on every path."""
 
     def label_of(self, call: Call) -> str:
         named = self.label(call) if self.label is not None else None

@@ -25,6 +25,7 @@ from torch.fx import Graph, Node
 import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import cross_entropy as ce
+from seqcompile.ops import samples_loss
 from seqcompile.ops.fused_op import Call, FusedOp
 
 Tensor = torch.Tensor
@@ -214,4 +215,5 @@ ENTRY = FusedOp(
     flops={torch.ops.seqfast.linear_cross_entropy.default: flops},
     workspace={torch.ops.seqfast.linear_cross_entropy.default: workspace_bytes},
     accumulate=accumulate,
+    samples=samples_loss.linear_cross_entropy_samples,
 )

@@ -14,6 +14,7 @@ statistics, and regenerates the dropout mask from the seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ import triton
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops import norm_reference as reference
+from seqcompile.ops import samples_norm
 from seqcompile.ops.fused_op import FusedOp
 
 Tensor = torch.Tensor
@@ -147,7 +149,8 @@ def _(x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dty
 
 
 def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    """`t` as contiguous (rows, width); the rows counted, as -1 is ambiguous at width 0."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).contiguous()
 
 
 def _num_warps(block_n: int) -> int:
@@ -165,7 +168,10 @@ def forward_kernels(
     total = runtime.empty((m, n) if prologue else (0,), sum_dtype, x.device)
     mean = runtime.empty((0,) if rms else (m,), torch.float32, x.device)
     rstd = runtime.empty((m,), torch.float32, x.device)
-    if m > 0:
+    if n == 0:  # rows of nothing: eager's mean and 1/std of no elements are NaN
+        mean.fill_(math.nan)
+        rstd.fill_(math.nan)
+    elif m > 0:
         named = dict(residual=residual, branch_bias=branch_bias, weight=weight, bias=bias)
         (spec,) = forward_kernels_of(dict(named, p=p, rms=rms))
         optional = (
@@ -248,7 +254,7 @@ def backward_kernels(
     n = saved.shape[-1]
     s2 = _rows(saved)
     m = s2.shape[0]
-    if m == 0:
+    if m == 0 or n == 0:
         for t in params:
             t.zero_()
         return dx, dres, dweight, dbias, dbranch_bias
@@ -364,4 +370,5 @@ ENTRY = FusedOp(
     },
     saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
     " mask is regenerated from the seed",
+    samples=samples_norm.samples,
 )

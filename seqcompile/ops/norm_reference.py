@@ -8,6 +8,8 @@ draws dropout masks from the same Philox numbers as the kernels.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from seqcompile.ops.random import keep_mask
@@ -91,18 +93,19 @@ def backward(
     residual_dtype, bias_dtype, branch_bias_dtype,
 ):  # fmt: skip
     n = saved.shape[-1]
-    s = saved.reshape(-1, n).float()
-    mean = mean.reshape(-1, 1) if not rms else None
-    rstd = rstd.reshape(-1, 1)
+    rows = math.prod(saved.shape[:-1])  # (-1 is ambiguous at width 0)
+    s = saved.reshape(rows, n).float()
+    mean = mean.reshape(rows, 1) if not rms else None
+    rstd = rstd.reshape(rows, 1)
     xhat = s * rstd if rms else (s - mean) * rstd
-    dy = grad_out.reshape(-1, n).float()
+    dy = grad_out.reshape(rows, n).float()
     g = dy * weight.float() if weight is not None else dy
     ds = g - xhat * (g * xhat).mean(-1, keepdim=True)
     if not rms:
         ds = ds - g.mean(-1, keepdim=True)
     ds = ds * rstd
     if grad_sum is not None:
-        ds = ds + grad_sum.reshape(-1, n).float()
+        ds = ds + grad_sum.reshape(rows, n).float()
     dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
     shapes = grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
     values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))

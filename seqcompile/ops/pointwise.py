@@ -23,6 +23,7 @@ from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops import samples_pointwise
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.random import keep_mask
 
@@ -355,7 +356,8 @@ def _backward(ctx, grads):
     seed, *saved_all = ctx.saved_tensors
     grad_terms = tuple(int(g is not None) for g in grads)
     if not any(grad_terms) or not any(needs_grad):
-        return None, None, None, None
+        # autograd checks the structure: the tensor list takes a list of (absent) gradients
+        return [None] * len(metas), None, None, None
     full_plan = regions.backward_plan(region, needs_grad, *_unfolded(len(grads)))
     plan = regions.backward_plan(region, needs_grad, grad_terms, (False,) * len(grads))
     kept = iter(saved_all)
@@ -404,4 +406,5 @@ ENTRY = FusedOp(
     },
     saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
     label=lambda call: regions.lookup(call["region"]).name,
+    samples=samples_pointwise.samples,
 )

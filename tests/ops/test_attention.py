@@ -689,17 +689,22 @@ def test_single_query_or_single_key(impl, lq, lk, causal):
         torch.testing.assert_close(out, v.detach().expand_as(out), **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("lq,lk", [(5, 0), (0, 7)], ids=["no-keys", "no-queries"])
+@pytest.mark.parametrize(
+    "h,lq,lk", [(2, 5, 0), (2, 0, 7), (2, 0, 0), (0, 5, 7)],
+    ids=["no-keys", "no-queries", "neither", "no-heads"],
+)  # fmt: skip
 @pytest.mark.kernels()  # the kernel path answers empty lengths without a launch
-def test_empty_lengths(impl, lq, lk):
+def test_empty_lengths(impl, h, lq, lk):
     """Lk == 0: every row is empty, so as SDPA's fully masked rows the output and gradients are 0;
-    Lq == 0: empty output, and nothing reaches k and v."""
+    Lq == 0: empty output, and nothing reaches k and v. With neither, the backward had allocated a
+    relative bias's gradient of Lq + Lk - 1 = -1 diagonals; with no heads, the op had refused to
+    group 0 query heads over 0 key/value heads."""
     g = torch.Generator().manual_seed(15)
-    q, k, v = qkv(g, 1, 2, lq, lk, 16)
-    bias = randn(g, 1, 2, lq, lk)
+    q, k, v = qkv(g, 1, h, lq, lk, 16)
+    bias = randn(g, 1, h, lq, lk)
     out, row_max, log_sum = attention(q, k, v, bias, None, None, 0, 0.0, 0.25, False, -math.inf)
-    assert torch.equal(out, torch.zeros(1, 2, lq, 16))
-    assert torch.equal(row_max, torch.zeros(1, 2, lq)) and (log_sum == math.inf).all()
+    assert torch.equal(out, torch.zeros(1, h, lq, 16))
+    assert torch.equal(row_max, torch.zeros(1, h, lq)) and (log_sum == math.inf).all()
     grads = torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
     for grad, operand in zip(grads, (q, k, v, bias), strict=True):
         assert torch.equal(grad, torch.zeros_like(operand))

@@ -200,6 +200,23 @@ def test_empty_rows_and_noncontiguous_inputs(impl):
     run_and_compare(inputs, p=0.0, rms=True, dtype=torch.float32)
 
 
+@pytest.mark.kernels()  # rows of no elements: nothing to compute
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_rows_of_width_zero(impl, rms):
+    """Rows of no elements give eager's empty output and gradients (the rows had been counted
+    by reshape(-1, 0), which is ambiguous, and failed)."""
+    x, residual = (torch.randn(3, 5, 0, requires_grad=True) for _ in range(2))
+    weight, bias = (torch.randn(0, requires_grad=True) for _ in range(2))
+    out, total, _, _ = add_norm(
+        x, residual, None, weight, None if rms else bias, None, 0, 0.0, 1e-5, rms,
+        torch.float32, torch.float32,
+    )  # fmt: skip
+    assert out.shape == total.shape == (3, 5, 0)
+    wanted = (x, residual, weight) if rms else (x, residual, weight, bias)
+    grads = torch.autograd.grad((out.sum() + total.sum(),), wanted)
+    assert [g.shape for g in grads] == [t.shape for t in wanted]
+
+
 def test_reference_outputs_are_contiguous_like_the_fake_ones():
     x = torch.randn(16, 8).t()
     residual = torch.randn(16, 8).t()

@@ -252,11 +252,44 @@ def test_non_contiguous_and_expanded_inputs(impl):
     check(*run(fn, [x, y.unsqueeze(0).expand(3, 5, 7)]))
 
 
+def test_a_strided_operand_of_a_region_that_collapses_to_one_dimension(impl):
+    """Every dimension merges (each operand walks its rows evenly) but one operand reads every
+    other element: the kernel indexes its one dimension by the flat index (it had named an
+    undefined `inner0`)."""
+    x = make((3, 5, 14))[..., ::2]
+    check(*run(lambda x, y: F.silu(x) * y, [x, make((3, 5, 7), seed=1)]))
+
+
 def test_empty_and_single_element_regions(impl):
     fn = lambda x, b: F.silu(x + b)  # noqa: E731
     check(*run(fn, [make((1, 1)), make((1,), seed=1)]))
     outs, *_ = run(fn, [make((0, 7)), make((7,), seed=1)])
     assert outs[0].shape == (0, 7)
+
+
+class _NoGradient(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (None), as the fused linear + cross-entropy
+    gives its hidden states for an empty batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.kernels("pointwise:forward")  # no gradient arrives: no backward kernel
+def test_an_output_given_no_gradient_gives_the_inputs_none(impl):
+    """The backward answers a list of None for the list of inputs (autograd checks the
+    structure; a bare None failed with "Expected the return from backward to be of the same
+    structure as the inputs")."""
+    x, b = make(SHAPE), make((7,), seed=1)
+    region = region_of_function(lambda x, b: F.gelu(x + b), [x, b])
+    (out,) = pointwise([x, b], None, 0, region.key)
+    dx, db = torch.autograd.grad(_NoGradient.apply(out).sum(), [x, b], allow_unused=True)
+    assert dx is None and db is None
 
 
 def test_the_backward_saves_only_the_inputs_it_reads():

@@ -199,4 +199,5 @@ def test_every_entry_names_its_ops_and_kernels():
         assert all(op in entry.kernels for op in entry.ops), entry.name
         assert all(registry.entry_of(op) is entry for op in entry.ops)
         assert entry.saves and entry.reference is not None
+        assert entry.samples is not None, f"{entry.name} declares no sample inputs"
     assert registry.entry_of(torch.ops.aten.add.Tensor) is None

@@ -1,0 +1,139 @@
+"""Sample inputs of `seqfast::attention` and the eager composition that defines its answer:
+every tensor argument present in some sample (biases, masks, relative bias, prefix, document
+ids), each size 0, 1 and odd, non-finite rows and rows whose every key is masked."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from seqcompile.ops.samples import Sample, generator, randn
+
+Tensor = torch.Tensor
+FLOAT32_MIN = torch.finfo(torch.float32).min
+BASE = dict(b=1, h=3, lq=5, lk=7, d=9)
+"""Odd heads and lengths, no multiple of any tile; small, since the interpreter runs the kernels'
+programs one by one (TILED has the odd batch)."""
+TILED = dict(b=3, h=1, lq=17, lk=19, d=40)
+"""Lengths over two of the interpreter's 16-row tiles, the second partial, an odd batch and a head
+dim between two powers of two: the first sample, which the sweep runs in every layout."""
+
+
+def eager(
+    q, k, v, bias, mask, scale, causal, masked_value, window, doc_q, doc_kv, rel_bias, prefix,
+    **_,
+) -> tuple[Tensor]:  # fmt: skip
+    """softmax(q k^T * scale + bias + rel_bias, keys hidden by the mask taking `masked_value` and
+    those causal, the window, the prefix and the documents hide taking -inf) @ v; a row whose every
+    score is -inf gives 0 (as SDPA defines it)."""
+    if k.shape[-3] not in (q.shape[-3], 1, 0):  # grouped-query heads: head h reads h // group
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    s = torch.einsum("...id,...jd->...ij", q, k) * scale
+    lq, lk = s.shape[-2:]
+    query, key = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+    if bias is not None:
+        s = s + bias
+    if rel_bias is not None:  # score (i, j) adds the bias's value at key - query + Lq - 1
+        s = s + rel_bias.squeeze(-2)[..., key - query + lq - 1]
+    if mask is not None:
+        s = torch.where(mask, s, masked_value)
+    hidden = torch.zeros(lq, lk, dtype=torch.bool)
+    if causal:
+        after = key > query
+        hidden = hidden | (after if prefix is None else after & (key >= prefix))
+    if window:
+        hidden = hidden | (query - key >= window)
+    if doc_q is not None:
+        hidden = hidden | (doc_q != doc_kv)
+    s = s.masked_fill(hidden, -math.inf)
+    dead = (s == -math.inf).all(-1, keepdim=True)
+    probs = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    return (probs @ v,)
+
+
+def _call(g, b, h, lq, lk, d, *, kv_heads=None, **given) -> dict:
+    """The op's arguments: q, k, v of the sizes given, and the rest as `given` names them."""
+    kv = h if kv_heads is None else kv_heads
+    args = dict(
+        q=randn(g, b, h, lq, d, scale=1.5), k=randn(g, b, kv, lk, d), v=randn(g, b, kv, lk, d),
+        bias=None, mask=None, seed=None, stream=0, p=0.0, scale=max(d, 1) ** -0.5, causal=False,
+        masked_value=-math.inf, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
+        prefix=None,
+    )  # fmt: skip
+    args.update(given)
+    return args
+
+
+def _sample(name: str, args: dict) -> Sample:
+    learned = [n for n in ("bias", "rel_bias") if args[n] is not None]
+    return Sample(name, args, eager, grads=("q", "k", "v", *learned))
+
+
+def _bias_and_mask(g, b, h, lq, lk, d, masked_value=-math.inf) -> dict:
+    """A learned bias per head and a mask per batch, one query row of batch 0 masked whole."""
+    mask = torch.rand((b, 1, lq, lk), generator=g) > 0.3
+    mask[:1, :, lq // 2 : lq // 2 + 1] = False
+    return _call(
+        g, b, h, lq, lk, d, bias=randn(g, 1, h, lq, lk), mask=mask, masked_value=masked_value
+    )
+
+
+def samples() -> Iterator[Sample]:
+    """The base samples, every tensor contiguous."""
+    g = generator(0)
+    yield _sample("tiled-bias-mask", _bias_and_mask(g, **TILED))
+    yield _sample("bias-mask", _bias_and_mask(g, **BASE))
+    for dim in BASE:
+        for size in (0, 1):
+            sizes = {**BASE, dim: size}
+            yield _sample(f"bias-mask-{dim}{size}", _bias_and_mask(g, **sizes))
+    yield _sample("bias-mask-lq0-lk0", _bias_and_mask(g, **{**BASE, "lq": 0, "lk": 0}))
+    yield _sample("masked-rows-finfo-min", _bias_and_mask(g, **BASE, masked_value=FLOAT32_MIN))
+    yield from _values(g)
+    yield from _features(g)
+
+
+def _values(g) -> Iterator[Sample]:
+    """NaN and +-inf in one row of each operand, and a bias row of -inf (every key hidden)."""
+    edits = {
+        "nan-q-row": ("q", (0, 1, 3), math.nan),
+        "inf-q-row": ("q", (0, 0, 4), math.inf),
+        "neg-inf-k-row": ("k", (0, 2, 4), -math.inf),
+        "nan-v-row": ("v", (0, 0, 6), math.nan),
+        "neg-inf-bias-row": ("bias", (0, 1, 2), -math.inf),
+        "inf-bias-row": ("bias", (0, 2, 3), math.inf),
+    }
+    for name, (operand, row, value) in edits.items():
+        args = _call(g, **BASE, bias=randn(g, 1, BASE["h"], BASE["lq"], BASE["lk"]))
+        args[operand][row] = value
+        yield _sample(name, args)
+
+
+def _features(g) -> Iterator[Sample]:
+    """The other tensor arguments: a padding mask with a sequence wholly padded, grouped heads,
+    a relative bias with a prefix, document ids with a window."""
+    batched = {**BASE, "b": 3, "h": 1}
+    b, h, lq, lk, d = batched.values()
+    padding = torch.rand((b, 1, 1, lk), generator=g) > 0.3
+    padding[1] = False
+    yield _sample("padding-causal", _call(g, **batched, mask=padding, causal=True))
+    yield _sample("grouped-heads", _call(g, **BASE, kv_heads=1, causal=True))
+    prefix = torch.tensor([0, 5, lk], dtype=torch.int64).view(b, 1, 1, 1)
+    relative = randn(g, 1, h, 1, lq + lk - 1)
+    yield _sample(
+        "relative-prefix", _call(g, **batched, causal=True, rel_bias=relative, prefix=prefix)
+    )
+    for size in (1, 0):  # one query, no query: the relative bias's diagonals are the keys'
+        sizes = {**BASE, "lq": size}
+        relative = randn(g, 1, h, 1, size + lk - 1)
+        yield _sample(f"relative-lq{size}", _call(g, **sizes, causal=True, rel_bias=relative))
+    length = min(lq, lk)
+    ids = torch.randint(0, 3, (b, 1, length), generator=g).sort(-1).values
+    yield _sample(
+        "documents-window",
+        _call(g, b, h, length, length, d, causal=True, window=3, doc_q=ids[..., None],
+              doc_kv=ids[..., None, :]),
+    )  # fmt: skip
