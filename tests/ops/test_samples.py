@@ -10,7 +10,6 @@ sample; the slow tier runs every sample with each tensor argument alone in each 
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterator
 
 import pytest
@@ -23,64 +22,6 @@ from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.samples import LAYOUTS, Sample, applies, in_layout, replace_slots, tensor_slots
 
 PATHS = ("reference", "kernels")
-
-_TARGET_STRIDES = "the kernel reads the targets as if contiguous"
-_NEG_INF = "a -inf logit makes the loss NaN (0 times the row's sum)"
-_READ_TARGETS = {  # (one row, one class, or chunks of one row read the right target anyway)
-    "cross_entropy": "plain smoothing over-a-block all-ignored nan-logit inf-logit"
-    " neg-inf-logits-smoothing0.1",
-    "linear_cross_entropy": "mean features1 all-ignored nan-hidden-row",
-}
-FIXED_ON_BRANCH_LOSS: dict[str, str] = {
-    **{
-        f"{op}-{sample}-target-{layout}-kernels": _TARGET_STRIDES
-        for op, samples in _READ_TARGETS.items()
-        for sample in samples.split()
-        for layout in ("strided", "expanded")
-    },
-    **{
-        f"{first}-all-{layout}-kernels": _TARGET_STRIDES
-        for first in ("cross_entropy-plain", "linear_cross_entropy-mean")
-        for layout in ("strided", "expanded")
-    },
-    # (an expanded layout repeats the first row or element, where no -inf is)
-    "cross_entropy-neg-inf-logits-smoothing0.0-[!l]*": _NEG_INF,
-    "cross_entropy-neg-inf-logits-smoothing0.0-logits-[!e]*": _NEG_INF,
-    "linear_cross_entropy-neg-inf-bias-[!b]*": _NEG_INF,
-    "linear_cross_entropy-neg-inf-bias-bias-[!e]*": _NEG_INF,
-    "cross_entropy-inf-logit-[!l]*-reference": "a +inf logit: the reference's gradient is not"
-    " NaN where eager's is (fixed with the -inf class)",
-    "cross_entropy-inf-logit-logits-[!e]*-reference": "a +inf logit (fixed with the -inf class)",
-    "linear_cross_entropy-rows0-*": "an empty batch: no hidden-state gradient (None), where eager"
-    " gives an empty one",
-    "cross_entropy-classes0-*-reference": "0 classes (every target ignored): the reference"
-    " gathers the target's logit at index 0 of an empty dimension (fixed with empty batches)",
-}
-"""Sweep cases (case id patterns, `fnmatch`) that fail for the cross-entropy bugs fixed on branch
-`loss`: target strides the kernel ignores, -inf (and +inf) logits giving NaN, empty batches and
-0 classes. (int32 targets, the fourth bug, are refused by the loss pattern there; no op sample has
-them.) Each is a strict xfail: once the branch is merged they pass, fail here, and are removed."""
-
-CRASHES: dict[str, str] = {
-    "cross_entropy-classes0-*-kernels": "0 classes: the cross-entropy kernel loads the target's"
-    " logit unmasked, past the end of the logits (a segfault under the interpreter; fixed on"
-    " branch loss, to be switched on with the list above)",
-}
-"""Cases skipped because they kill the process, which no xfail survives."""
-
-
-def _known(case_id: str) -> list[pytest.MarkDecorator]:
-    """The skip or xfail a case takes from the lists above."""
-    marks = []
-    if crash := _reason(CRASHES, case_id):
-        marks.append(pytest.mark.skip(reason=crash))
-    if fixed := _reason(FIXED_ON_BRANCH_LOSS, case_id):
-        marks.append(pytest.mark.xfail(strict=True, reason=f"fixed on branch loss: {fixed}"))
-    return marks
-
-
-def _reason(table: dict[str, str], case_id: str) -> str | None:
-    return next((why for pattern, why in table.items() if fnmatch.fnmatch(case_id, pattern)), None)
 
 
 def _forward_kernels(entry: FusedOp, sample: Sample) -> tuple[str, ...]:
@@ -96,7 +37,7 @@ def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str,
     """The case on each path: the kernel path joins the kernel tier, naming its kernels."""
     for path in PATHS:
         case_id = f"{entry.name}-{sample.name}-{label}-{path}"
-        marks = _known(case_id)
+        marks = []
         if slow:
             marks.append(pytest.mark.slow)
         if path == "kernels":
