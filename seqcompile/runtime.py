@@ -58,11 +58,18 @@ def poisoning() -> bool:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate a kernel output. With `SEQFAST_POISON=1` it starts as NaN, so an element a kernel
-    forgets to write shows up in tests instead of passing by luck."""
+    """Allocate a kernel output. With `SEQFAST_POISON=1` it starts as NaN (an integer output as
+    its dtype's largest value, a boolean one as True), so an element a kernel forgets to write
+    shows up in tests instead of passing by luck."""
     if poisoning():
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.full(shape, _poison(dtype), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _poison(dtype: torch.dtype) -> float | int | bool:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return True if dtype == torch.bool else torch.iinfo(dtype).max
 
 
 def program_cap(tensor: torch.Tensor) -> int:

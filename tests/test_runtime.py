@@ -20,7 +20,12 @@ def test_cpu_tensors_use_the_reference_unless_interpreting(monkeypatch):
 
 def test_poison_fills_outputs_with_nan(monkeypatch):
     monkeypatch.setenv("SEQFAST_POISON", "1")
-    assert runtime.empty((3,), torch.float32, torch.device("cpu")).isnan().all()
+    cpu = torch.device("cpu")
+    assert runtime.empty((3,), torch.float32, cpu).isnan().all()
+    # outputs that cannot hold NaN (a bucketed position region) get a value no kernel writes
+    assert (runtime.empty((3,), torch.int64, cpu) == torch.iinfo(torch.int64).max).all()
+    assert (runtime.empty((3,), torch.int8, cpu) == 127).all()
+    assert runtime.empty((3,), torch.bool, cpu).all()
 
 
 def test_interpreter_requested_after_triton_was_imported_says_what_to_do():
