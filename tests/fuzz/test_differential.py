@@ -31,6 +31,9 @@ class Run:
     grads: dict[str, torch.Tensor | None]
     counts: Counter[str]
     missed: list[str]
+    readings: Counter[str]
+    """What fused attention computes from the model's code (causal, a window, a prefix, a bias
+    by key - query) or reads as a tensor, and the readings evaluating the code refuted."""
 
 
 class Fuzzed(torch.nn.Module):
@@ -85,7 +88,32 @@ def run(
         grads={name: t.grad for name, t in leaves.items()},
         counts=report.counts,
         missed=[f"{m.pattern}: {m.reason}" for m in report.missed],
+        readings=readings(report),
     )
+
+
+READINGS = {
+    "causal after a prefix": "prefix LM",
+    "causal": "causal",
+    "sliding window": "window",
+    "reads a bias by key - query": "bias by key - query",
+    "reads a mask": "mask read as a tensor",
+    "reads a bias": "bias read as a tensor",
+    "compares document ids": "documents",
+}
+
+
+def readings(report: Any) -> Counter[str]:
+    """The attention readings of `report`'s forward sites (`READINGS`), and "refuted: <reason>"
+    for each one evaluating the model's code refuted."""
+    found: Counter[str] = Counter()
+    for site in report.sites:
+        for part in site.rsplit(": ", 1)[-1].split("; ")[0].split(", "):
+            name = next((n for start, n in READINGS.items() if part.startswith(start)), None)
+            if name is not None:
+                found[name] += 1
+    found.update(f"refuted: {m.reason}" for m in report.refuted)
+    return found
 
 
 AMPLIFIED_ULPS = 64
@@ -105,7 +133,8 @@ def assert_close(
     """Within `dtype`'s tolerance of eager, the absolute part scaled by the largest expected
     magnitude (sums of many terms round at that scale). Failing that, `truth()` (the float64
     result) decides: seqfast may be as far from it as eager is, plus the tolerance (eager rounds
-    too: a LayerNorm over one element has the gradient 0, eager's is not). Where eager itself is
+    too: a LayerNorm over one element has the gradient 0, eager's is not; where the float64 run
+    fails, the difference is reported as it is). Where eager itself is
     off by far more than rounding (`AMPLIFIED_ULPS`), the program amplifies rounding (a LayerNorm
     over two nearly equal features multiplies its input's gradient by 1/std): an equivalent
     program that rounds differently, even with nothing fused, lands farther off by a small
@@ -122,7 +151,11 @@ def assert_close(
         message = f"{what} differs from eager: {error}"
         if truth is None:
             raise AssertionError(message) from None
-        t = truth()
+        try:
+            t = truth()
+        except Exception as failed:  # (a cast to float32 written in the program, say)
+            first = f"{type(failed).__name__}: {failed}".splitlines()[0]
+            raise AssertionError(f"{message}\nand the float64 run failed: {first}") from None
         fast_off, eager_off = (actual.double() - t).abs(), (expected.double() - t).abs()
         allowed = eager_off + atol + rtol * t.abs()
         amplified = eager_off.max() > AMPLIFIED_ULPS * torch.finfo(dtype).eps * scale
@@ -232,7 +265,79 @@ def fuzz(request: pytest.FixtureRequest, seed: int, records: list) -> None:
         fast = check(program)
     except Exception as error:
         raise AssertionError(failure(program, request.node.nodeid, error)) from error
-    records.append((program, fast.counts, fast.missed))
+    records.append((program, fast.counts, fast.missed, fast.readings))
+
+
+KINDS = [
+    # masks and biases from positions (fuzz/positions.py)
+    *[f"canonical {form}" for form in ("causal", "window", "prefix", "padded causal")],
+    *[f"canonical {form}" for form in ("tril", "nanoGPT", "triu hides", "band")],
+    *[f"canonical {form}" for form in ("nn.Transformer", "Hugging Face", "BERT")],
+    *["arange int32", "arange device=", "arange sliced", "arange offset"],
+    *["arange at the end of the keys", "in-place positions"],
+    *[f"positions {twist}" for twist in ("cast to int8", "halved", "floor-divided")],
+    *[f"positions {twist}" for twist in ("as float", "modulo", "flipped", "clamped")],
+    *[f"compare {op}" for op in ("<=", "<", ">=", ">", "==", "!=")],
+    *["compare swapped", "compare difference", "compare shifted", "compare constant"],
+    *["causal", "window", "prefix constant", "prefix per row", "padding", "mask &", "mask |"],
+    *["triangle tril", "triangle triu", "triangle band", "triangle top left"],
+    *["triangle of a fill", "(1 - m) * fill"],
+    *["negated ~", "negated == 0", "negated logical_not", "negated torch.logical_not"],
+    *[f"cast to {t}" for t in ("bool", "int8", "float", "long", "int", "the scores' dtype")],
+    *["product", "product zeroed by a cast"],
+    *["fill -inf", "fill finfo.min", "fill -1e4", "fill -1e9", "fill -3.0", "fill 5.0"],
+    *["fill into bool", "fill into int", "fill into float", "where(m, 0, fill)"],
+    *["set in place", "triu_/tril_ in place"],
+    *["relative abs", "relative clamp", "relative negate", "relative masked causal"],
+    *["relative learned slopes", "relative slopes made in the graph"],
+    *["relative buckets", "relative log buckets"],
+    *["apply sdpa bool mask", "apply sdpa float mask", "apply sdpa where(m, 0, fill)"],
+    *["apply masked_fill", "apply where", "apply added bias", "apply added bool"],
+    "apply relative bias",
+    # target layouts (fuzz/programs.py)
+    "target contiguous",
+    *[
+        f"target {layout} {made}"
+        for layout in ("stepped", "column", "offset", "expanded")
+        for made in ("input", "made in the program")
+    ],
+    "target shifted made in the program",
+]
+"""What the newer generators draw; the default seeds draw each at least once."""
+
+
+def group(kind: str) -> str:
+    """The generator a kind belongs to: its first word, the in-place edits together."""
+    return "in place" if "place" in kind else kind.split()[0]
+
+
+def programs_drawing(seeds: range) -> Counter[str]:
+    """How many of the seeds' programs draw each kind (drawing takes no compile)."""
+    programs: Counter[str] = Counter()
+    for seed in seeds:
+        programs.update(set(generate(seed).kinds))
+    assert not programs.keys() - set(KINDS), "a kind missing from KINDS"
+    return programs
+
+
+def test_default_seeds_draw_every_generator():
+    """A generator no default seed reaches tests nothing. Each generator's spellings are many
+    and each rare, so the default seeds draw every generator (`group`), and all the seeds
+    every spelling (`test_all_seeds_draw_every_kind`)."""
+    programs = programs_drawing(DEFAULT_SEEDS)
+    drawn = Counter()
+    for kind, n in programs.items():
+        drawn[group(kind)] += n
+    missing = sorted({group(kind) for kind in KINDS} - drawn.keys())
+    assert not missing, f"no default seed draws {missing}"
+
+
+def test_all_seeds_draw_every_kind():
+    """Every spelling is drawn by some seed, the slow tier's included (drawing all takes a few
+    seconds)."""
+    programs = programs_drawing(range(SLOW_SEEDS.stop))
+    missing = [kind for kind in KINDS if not programs[kind]]
+    assert not missing, f"no seed draws {missing}"
 
 
 @pytest.mark.parametrize("seed", DEFAULT_SEEDS)
