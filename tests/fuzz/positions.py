@@ -62,7 +62,7 @@ class Builder:
         self.q = q
         self.env = dict(namespace)
         self.env["m"] = types.SimpleNamespace()
-        self.env[q] = torch.empty(0)  # only its device is read
+        self.env[q] = torch.empty(0, dtype=w.dtype)  # its device and dtype are read
         self.lines: list[str] = []
         self.params: list[str] = []
         self.inputs: list[tuple[str, str]] = []
@@ -152,6 +152,16 @@ class Builder:
         except RuntimeError:
             return False
         return list(shape) == self.scores and bool(visible.expand(shape).any(-1).all())
+
+    def rows_keeping_two(self, visible: torch.Tensor) -> float:
+        """The share of rows that keep two keys or more. A row of one key has a bias gradient of
+        exactly 0 in eager (softmax's backward cancels) and of rounding in a flash-style backward
+        (its row delta is rowsum(dO * O)); a learned slope or table sums that over rows and
+        distances, so where most rows keep one key (Lk = 1, a diagonal), its gradient is
+        rounding against eager's 0 and fails a tolerance scaled by that 0 (the slow tier found
+        it, Lk = 1). Sites with a learned bias keep two keys in most rows."""
+        shape = torch.broadcast_shapes(visible.shape, self.scores)
+        return (visible.expand(shape).sum(-1) >= 2).float().mean().item()
 
     def fits(self, value: torch.Tensor) -> bool:
         """Broadcasts to the scores without enlarging them."""
@@ -568,7 +578,7 @@ def _cast(b: Builder, x: str, casts: list[str]) -> str:
     to = b.rng.choice(casts)
     if to == "dt":
         b.kind("cast to the scores' dtype")
-        return b.let("m", f"{x}.to({b.w.dt})")
+        return b.let("m", f"{x}.to({b.q}.dtype)")
     b.kind(f"cast to {to.removeprefix('to(torch.').strip('()')}")
     return b.let("m", f"{x}.{to}")
 
@@ -601,7 +611,7 @@ def canonical(b: Builder) -> str:
     )
     b.kind(f"canonical {form}")
     b.natural = ("keep",)
-    Lq, Lk, dt = b.Lq, b.Lk, b.w.dt
+    Lq, Lk, dt = b.Lq, b.Lk, f"{b.q}.dtype"
     if form in ("tril", "triu hides", "band", "nanoGPT", "nn.Transformer"):
         dtype = rng.choice(["", ", dtype=torch.bool"])
         if form == "tril":
@@ -678,9 +688,10 @@ def mask(b: Builder) -> str:
 # biases of key - query
 
 
-def relative(b: Builder) -> str:
+def relative(b: Builder, masked: bool) -> str:
     """A bias of key - query: its distance through abs, clamp and a cast, times slopes per head
-    (ALiBi: learned, or 2 ** -h made in the graph), or a table's value at a bucket of it."""
+    (ALiBi: learned, or 2 ** -h made in the graph), or a table's value at a bucket of it; where
+    `masked`, sometimes filled above the diagonal."""
     rng = b.rng
     q, kv = positions(b, plain=rng.random() < 0.7)
     rel = b.let("rel", rng.choice([f"{kv} - {q}", f"{q} - {kv}"]))
@@ -705,7 +716,9 @@ def relative(b: Builder) -> str:
                     "negate": f"-{d}",
                 }[step],
             )
-        d = b.let("d", rng.choice([f"{d}.float()", f"{d}.to(torch.float32)", f"{d}.to({b.w.dt})"]))
+        d = b.let(
+            "d", rng.choice([f"{d}.float()", f"{d}.to(torch.float32)", f"{d}.to({b.q}.dtype)"])
+        )
         if heads and rng.random() < 0.3:
             slopes = b.let("slopes", f"2.0 ** -torch.arange(1, {b.H + 1}).float()")
             b.kind("relative slopes made in the graph")
@@ -743,7 +756,7 @@ def relative(b: Builder) -> str:
         else:
             table = b.param("table", [n], 0.5)
             out = b.let("rbias", f"{table}[{bucket}]")
-    if rng.random() < 0.3:
+    if masked and rng.random() < 0.3:
         b.kind("relative masked causal")
         out = b.let(
             "rbias", f"{out}.masked_fill({kv} > {q}, {b.filled(b.fill_for(b.value(out).dtype))})"
@@ -771,7 +784,7 @@ class Choice:
 def _applications(b: Builder, x: str, sdpa: bool) -> list[Choice]:
     """The ways the site may apply mask `x` that leave no NaN or +inf in the scores."""
     v = b.value(x)
-    dt = b.w.dt
+    dt = f"{b.q}.dtype"
     out: list[Choice] = []
 
     def add(kind: str, apply: Any, how: str, value: torch.Tensor, fill: str | None = None) -> None:
@@ -848,13 +861,16 @@ def site_terms(
 
 def _draw(b: Builder, which: str, sdpa: bool) -> Application | None:
     rng, w = b.rng, b.w
-    bias = relative(b) if which != "mask" else None
+    # A bias filled above the diagonal beside a mask gives the site two masks, whose fills differ
+    # or come before the other's bias: the attention pattern refuses both ("masks fill different
+    # values", "a bias is added after a mask filled with ..."), which README.md does not list.
+    bias = relative(b, masked=which == "relative") if which != "mask" else None
     x = mask(b) if which != "relative" else None
     for term in (bias, x):
         if term is not None and not b.fits(b.value(term)):
             return None
     if bias is not None and sdpa and b.value(bias).dtype != w.dtype:
-        bias = b.let("rbias", f"{bias}.to({w.dt})")
+        bias = b.let("rbias", f"{bias}.to({b.q}.dtype)")
     bias_visible = b.visible(b.value(bias), "add") if bias is not None else torch.tensor(True)
     choices = [Choice(None, None, "add", bias_visible)]
     if x is not None:
@@ -864,6 +880,8 @@ def _draw(b: Builder, which: str, sdpa: bool) -> Application | None:
         if sdpa and bias is not None:  # one float mask: the bias plus a float mask's term
             choices = [c for c in choices if _float_of(b, c.apply, w.dtype)]
     choices = [c for c in choices if b.every_row_keeps(c.visible)]
+    if bias is not None and b.params:
+        choices = [c for c in choices if b.rows_keeping_two(c.visible) > 0.5]
     natural = [c for c in choices if c.how in b.natural]
     if natural and rng.random() < 0.8:  # a canonical mask mostly applied as it is meant
         choices = natural

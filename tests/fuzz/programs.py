@@ -62,6 +62,8 @@ def targets(g, shape, classes, ignore=None):
         drop = torch.rand(shape, generator=g) < 0.25
         drop.view(-1)[0] = False
         t = t.masked_fill(drop, ignore)
+        if t.view(-1)[0] == ignore:  # an ignore index that is a class can be drawn too
+            t.view(-1)[0] = (ignore + 1) % classes
     return t
 
 
@@ -634,7 +636,7 @@ def pointwise(w: Writer, x: str, shape: list[int]) -> tuple[str, list[int], list
             names.append(f"{op} {tuple(other_shape)}")
         elif kind == "cast":
             low = "torch.bfloat16" if rng.random() < 0.5 else "torch.float16"
-            x = w.let("p", f"{x}.to({low}).to({w.dt})")
+            x = w.let("p", f"{x}.to({low}).to({x}.dtype)")
             w.rounds_to(torch.bfloat16 if "bfloat16" in low else torch.float16)
             names.append("cast")
         elif kind == "glu" and shape[-1] % 2 == 0:

@@ -50,15 +50,28 @@ class Fuzzed(torch.nn.Module):
 
 
 def run(
-    program: Program, p: float, compiled: bool, ws: list | None = None, double: bool = False
+    program: Program,
+    p: float,
+    compiled: bool,
+    ws: list | None = None,
+    double: bool = False,
+    wobble: int | None = None,
 ) -> Run:
     """One forward and backward of `program` with dropout `p`, eager or with seqfast. Given `ws`
     (projection weights), the outputs are projected to the scalar loss (by the compiled function
     itself when `compiled`) and that loss is the one output. `double` runs eager on float64
-    copies of the parameters and inputs."""
+    copies of the parameters and inputs; `wobble` (a seed) with every float parameter and input
+    moved by up to one unit of its dtype's precision (`sensitivity`)."""
     namespace = program.namespace(p)
     g = torch.Generator().manual_seed(program.seed)
     m, xs = namespace["build"](g), namespace["inputs"](g)
+    if wobble is not None:
+        moved = torch.Generator().manual_seed(wobble)
+        with torch.no_grad():
+            for t in [*m.parameters(), *xs]:
+                if t.is_floating_point() and t.numel() and 0 not in t.stride():
+                    u = torch.rand(t.shape, generator=moved) * 2 - 1
+                    t.copy_((t.double() * (1 + u * torch.finfo(t.dtype).eps)).to(t.dtype))
     if double:
         m.double()
         xs = [
@@ -121,6 +134,8 @@ AMPLIFIED_ULPS = 64
 the result's largest magnitude: the program amplifies rounding (see `assert_close`)."""
 ILL_CONDITIONED = 8
 """How much farther from the float64 result than eager seqfast may then be."""
+WOBBLES = 3
+"""Eager runs on inputs moved by rounding that measure a program's `sensitivity`."""
 
 
 def assert_close(
@@ -129,6 +144,7 @@ def assert_close(
     expected: torch.Tensor,
     dtype: torch.dtype,
     truth: Callable[[], torch.Tensor] | None = None,
+    sensitivity: Callable[[], float] | None = None,
 ) -> None:
     """Within `dtype`'s tolerance of eager, the absolute part scaled by the largest expected
     magnitude (sums of many terms round at that scale). Failing that, `truth()` (the float64
@@ -138,7 +154,11 @@ def assert_close(
     off by far more than rounding (`AMPLIFIED_ULPS`), the program amplifies rounding (a LayerNorm
     over two nearly equal features multiplies its input's gradient by 1/std): an equivalent
     program that rounds differently, even with nothing fused, lands farther off by a small
-    factor, so seqfast may be `ILL_CONDITIONED` times eager's distance."""
+    factor, so seqfast may be `ILL_CONDITIONED` times eager's distance. A program can amplify
+    rounding where eager happens not to, at a jump: `minimum`, `where(x > c)`, a clamp, whose
+    choice a difference of rounding upstream flips (it then routes a gradient elsewhere); where
+    eager itself moves that far when its inputs move by rounding (`sensitivity()`, the largest
+    change), seqfast may be `ILL_CONDITIONED` times that far from it."""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     finite = expected[expected.isfinite()]
@@ -161,6 +181,9 @@ def assert_close(
         amplified = eager_off.max() > AMPLIFIED_ULPS * torch.finfo(dtype).eps * scale
         if amplified:
             allowed = torch.maximum(allowed, ILL_CONDITIONED * eager_off.max())
+        if not (fast_off <= allowed).all() and sensitivity is not None:
+            moved = sensitivity()
+            allowed = torch.maximum(allowed, torch.tensor(ILL_CONDITIONED * moved).double())
         if not (fast_off <= allowed).all():
             raise AssertionError(
                 f"{message}\nand from the float64 result by up to {fast_off.max().item():.3g},"
@@ -177,17 +200,34 @@ def check_values(program: Program) -> tuple[Run, Run]:
     fast = run(program, 0.0, compiled=True, ws=ws)
     expected = eager.outputs if ws is None else [namespace["project"](eager.outputs, ws)]
     reference = functools.cache(lambda: run(program, 0.0, compiled=False, ws=ws, double=True))
+    wobbled = functools.cache(
+        lambda: [run(program, 0.0, compiled=False, ws=ws, wobble=k) for k in range(WOBBLES)]
+    )
+
+    def sensitivity(pick: Callable[[Run], torch.Tensor | None], e: torch.Tensor) -> float:
+        """How far eager moves when its inputs move by rounding (see `assert_close`)."""
+        moved = [(pick(w).double() - e.double()).abs() for w in wobbled()]
+        return max(m[m.isfinite()].max().item() if m.isfinite().any() else 0.0 for m in moved)
+
     assert len(fast.outputs) == len(expected)
     for i, (a, e) in enumerate(zip(fast.outputs, expected, strict=True)):
         truth = functools.partial(lambda i: reference().outputs[i], i)
-        assert_close(f"output {i}", a, e, program.tolerance, truth)
+        output = functools.partial(
+            lambda i, e: sensitivity(lambda w: w.outputs[i] if ws is None else w.outputs[0], e),
+            i,
+            e,
+        )
+        assert_close(f"output {i}", a, e, program.tolerance, truth, output)
     assert fast.grads.keys() == eager.grads.keys()
     for name, e in eager.grads.items():
         a = fast.grads[name]
         assert (a is None) == (e is None), f"{name}: a gradient exists in one run only"
         if e is not None:
             truth = functools.partial(lambda name: reference().grads[name], name)
-            assert_close(f"gradient of {name}", a, e, program.tolerance, truth)
+            grad = functools.partial(
+                lambda name, e: sensitivity(lambda w: w.grads[name], e), name, e
+            )
+            assert_close(f"gradient of {name}", a, e, program.tolerance, truth, grad)
     return eager, fast
 
 
