@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from fuzz import positions
+
 HELPERS = '''
 import math
 
@@ -60,7 +62,44 @@ def targets(g, shape, classes, ignore=None):
         drop = torch.rand(shape, generator=g) < 0.25
         drop.view(-1)[0] = False
         t = t.masked_fill(drop, ignore)
+        if t.view(-1)[0] == ignore:  # an ignore index that is a class can be drawn too
+            t.view(-1)[0] = (ignore + 1) % classes
     return t
+
+
+def target_storage(g, t, classes, layout, rows=1):
+    """A tensor holding the class indices `t` where `TARGET_VIEWS[layout]` reads them: every other
+    element ("stepped"), the second column of pairs ("column"), from its second element on
+    ("offset"), its first element alone ("expanded": all targets are t[0]), or each of `rows`
+    rows from its second element on ("shifted", as labels are tokens shifted by one). Its other
+    elements are other class indices, so a read that ignores the strides gets other targets."""
+    n = t.numel()
+    if layout == "stepped":
+        base = torch.randint(classes, [2 * n], generator=g)
+        base[::2] = t
+    elif layout == "column":
+        base = torch.randint(classes, [n, 2], generator=g)
+        base[:, 1] = t
+    elif layout == "offset":
+        base = torch.randint(classes, [n + 1], generator=g)
+        base[1:] = t
+    elif layout == "shifted":
+        base = torch.randint(classes, [rows, n // rows + 1], generator=g)
+        base[:, 1:] = t.view(rows, -1)
+    else:
+        base = t[:1].clone()
+    return base
+
+
+def laid_out(g, t, classes, layout):
+    """`t` as a view of the larger tensor `target_storage` makes."""
+    base = target_storage(g, t, classes, layout)
+    return {
+        "stepped": lambda: base[::2],
+        "column": lambda: base[:, 1],
+        "offset": lambda: base[1:],
+        "expanded": lambda: base.expand(t.numel()),
+    }[layout]()
 
 
 def weights(outs):
@@ -86,6 +125,15 @@ DTYPES = {t: str(t) for t in (torch.float32, torch.bfloat16, torch.float16)}
 LAYOUTS = ["contiguous"] * 4 + ["transposed", "sliced", "offset"]
 FAMILIES = ("attention", "norm", "pointwise", "loss")
 LOOSENESS = [torch.float32, torch.float16, torch.bfloat16]
+TARGET_VIEWS = {
+    "stepped": "{}[::2]",
+    "column": "{}[:, 1]",
+    "offset": "{}[1:]",
+    "expanded": "{}.expand({n})",
+    "shifted": "{}[:, 1:].reshape(-1)",
+}
+"""How a program reads its targets out of `target_storage`'s tensor (`laid_out` reads the same
+for targets passed in laid out so)."""
 
 
 @dataclasses.dataclass
@@ -111,6 +159,9 @@ class Program:
     project_inside: bool
     """Whether the compiled function also projects the outputs to the scalar loss."""
     blocks: int
+    kinds: Counter[str]
+    """How often each kind of the newer generators (masks and biases from positions, target
+    layouts) was drawn."""
 
     def text(self, p: float) -> str:
         return self.source.replace("DROPOUT_P", repr(p))
@@ -167,6 +218,7 @@ class Writer:
         self.promised: Counter[str] = Counter()
         self.dropouts = 0
         self.dropped: list[int] = []
+        self.kinds: Counter[str] = Counter()
         self.n = 0
 
     def rounds_to(self, dtype: torch.dtype) -> None:
@@ -234,7 +286,15 @@ def attention(w: Writer, q: str, k: str, v: str, dims: dict[str, int], causal: b
     style = pick(rng, ("sdpa", 3), ("matmul", 3), ("einsum", 1), ("bmm", 1), ("baddbmm", 1))
     if dims["Hkv"] != dims["H"]:
         style = "sdpa"
-    return (_sdpa if style == "sdpa" else _written_attention)(w, q, k, v, dims, causal, style)
+    terms = None
+    if rng.random() < 0.6:
+        terms = positions.site_terms(w, dims, style, q, _helpers())
+    if terms is not None:
+        causal = False  # the terms take the place of the other masks
+        w.note(f"positions[{', '.join(terms.notes)}]")
+    return (_sdpa if style == "sdpa" else _written_attention)(
+        w, q, k, v, dims, causal, style, terms
+    )
 
 
 def _mask_input(w: Writer, kind: str, shape: list[int]) -> str:
@@ -249,11 +309,14 @@ def _mask_input(w: Writer, kind: str, shape: list[int]) -> str:
     return w.leaf("bias", shape, layout, scale=0.5, grad=grad)
 
 
-def _sdpa(w: Writer, q, k, v, dims, causal, style) -> str:
+def _sdpa(w: Writer, q, k, v, dims, causal, style, terms) -> str:
     rng = w.rng
     B, H, Lq, Lk = dims["B"], dims["H"], dims["Lq"], dims["Lk"]
     kwargs, notes = [], []
-    if causal:
+    if terms is not None:
+        kwargs.append(f"attn_mask={terms.sdpa}")
+        notes.append("mask from positions")
+    elif causal:
         kwargs.append("is_causal=True")
         notes.append("is_causal")
     elif rng.random() < 0.6:
@@ -276,7 +339,7 @@ def _sdpa(w: Writer, q, k, v, dims, causal, style) -> str:
     return w.let("att", f"F.scaled_dot_product_attention({q}, {k}, {v}, {', '.join(kwargs)})")
 
 
-def _written_attention(w: Writer, q, k, v, dims, causal, style) -> str:
+def _written_attention(w: Writer, q, k, v, dims, causal, style, terms) -> str:
     rng = w.rng
     B, H, Lq, Lk, D = dims["B"], dims["H"], dims["Lq"], dims["Lk"], dims["D"]
     flat = style in ("bmm", "baddbmm")
@@ -347,7 +410,11 @@ def _written_attention(w: Writer, q, k, v, dims, causal, style) -> str:
         )
         s = w.let("s", _apply_mask(rng, s, triangle, fill))
         notes.append("tril causal")
-    if not flat and rng.random() < 0.4:
+    if terms is not None:  # after the biases: a finite fill comes last (see `site_terms`)
+        for term in terms.written:
+            s = w.let("s", term(s))
+        notes.append("mask from positions")
+    elif not flat and rng.random() < 0.4:
         shape = rng.choice([[B, 1, 1, Lk], [B, 1, Lq, Lk], [Lq, Lk]])
         s = w.let("s", _apply_mask(rng, s, (True, _mask_input(w, "bool", shape)), fill))
         notes.append(f"bool mask {tuple(shape)}")
@@ -569,7 +636,7 @@ def pointwise(w: Writer, x: str, shape: list[int]) -> tuple[str, list[int], list
             names.append(f"{op} {tuple(other_shape)}")
         elif kind == "cast":
             low = "torch.bfloat16" if rng.random() < 0.5 else "torch.float16"
-            x = w.let("p", f"{x}.to({low}).to({w.dt})")
+            x = w.let("p", f"{x}.to({low}).to({x}.dtype)")
             w.rounds_to(torch.bfloat16 if "bfloat16" in low else torch.float16)
             names.append("cast")
         elif kind == "glu" and shape[-1] % 2 == 0:
@@ -605,6 +672,38 @@ def pointwise_block(w: Writer) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # the loss
+
+
+def draw_target(w: Writer, rows: list[int], vocab: int, ignore: int | None) -> str:
+    """The class indices of `rows` tokens, in a random layout: contiguous, or a view of a larger
+    tensor (`TARGET_VIEWS`) passed in laid out so or made in the program from that tensor.
+    Always int64: int32 targets make eager raise ("expected target dtype to be Long or Byte"),
+    so they make no valid program (the harness compares results, not errors), and byte targets,
+    which eager takes, torch.compile refuses with any backend (Dynamo's fake `gather` takes
+    int32 or int64 indices only)."""
+    rng = w.rng
+    n = math.prod(rows)
+    layout = pick(
+        rng,
+        ("contiguous", 4),
+        ("stepped", 1),
+        ("column", 1),
+        ("offset", 1),
+        ("expanded", 1),
+        ("shifted", 1),
+    )
+    drawn = f"targets(g, [{n}], {vocab}, {ignore})"
+    if layout == "contiguous":
+        w.kinds["target contiguous"] += 1
+        return w.input("target", drawn)
+    inside = layout == "shifted" or rng.random() < 0.5
+    w.kinds[f"target {layout} {'made in the program' if inside else 'input'}"] += 1
+    w.note(f"target {layout}{' made in the program' if inside else ''}")
+    if not inside:
+        return w.input("target", f"laid_out(g, {drawn}, {vocab}, {layout!r})")
+    rows_arg = f", rows={rows[0] if len(rows) > 1 else 1}" if layout == "shifted" else ""
+    base = w.input("tbase", f"target_storage(g, {drawn}, {vocab}, {layout!r}{rows_arg})")
+    return w.let("target", TARGET_VIEWS[layout].format(base, n=n))
 
 
 def loss(w: Writer, logits: str | tuple[str, str, str | None], target: str, ignore: int | None):
@@ -684,10 +783,9 @@ def loss_block(w: Writer) -> None:
     """Logits as an input ((N, V), or (B, L, V) flattened) or from a linear of hidden states."""
     rng = w.rng
     rows = rng.choice([[1], [5], [12], [13], [2, 3], [3, 7]])
-    n = math.prod(rows)
     vocab = rng.choice([2, 5, 17, 64, 101])
     ignore = rng.choice([None, -100, 0, vocab - 1])
-    target = w.input("target", f"targets(g, [{n}], {vocab}, {ignore})")
+    target = draw_target(w, rows, vocab, ignore)
     source = rng.choice(["input", "input", "linear"])
     w.note(f"loss block rows={rows} V={vocab} logits from {source}")
     if source == "input":
@@ -717,7 +815,7 @@ def layer_block(w: Writer) -> None:
     w.note(f"layer {'pre' if pre_ln else 'post'}-LN B={B} L={L} H={H} Dh={Dh} V={vocab}")
     tokens = w.input("tok", f"targets(g, [{B}, {L}], {vocab})")
     ignore = rng.choice([None, -100])
-    target = w.input("target", f"targets(g, [{B * L}], {vocab}, {ignore})")
+    target = draw_target(w, [B, L], vocab, ignore)
     emb = w.param("emb", [vocab, d])
     x = w.let("x", f"F.embedding({tokens}, {emb})")
     if rng.random() < 0.5:
@@ -752,7 +850,8 @@ def layer_block(w: Writer) -> None:
         x = norm(w, w.let("x", f"{x} + {w.dropout(mlp(x))}"), d)
     h = w.let("h", f"{x}.reshape(-1, {d})")
     tied = rng.random() < 0.5
-    loss(w, (h, emb if tied else w.param("head", [vocab, d], d**-0.5), None), target, ignore)
+    head = emb if tied else w.param("head", [vocab, d], d**-0.5)
+    loss(w, (h, head, None), target, ignore)
     w.note("tied head" if tied else "head")
 
 
@@ -802,4 +901,5 @@ def generate(seed: int, only: tuple[int, ...] | None = None) -> Program:
         dropped_outputs=tuple(w.dropped),
         project_inside=project_inside,
         blocks=len(parts),
+        kinds=w.kinds,
     )
