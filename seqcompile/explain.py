@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from seqcompile.codegen.copies import counting_copies
 from seqcompile.report import CompileReport, collecting
 
 
@@ -19,6 +20,7 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> CompileReport:
     from seqcompile.backend import seqfast
 
     backend = functools.partial(seqfast)
-    with collecting() as report:
+    with collecting() as report, counting_copies() as copies:
         torch.compile(model, backend=backend)(*args, **kwargs)
+    report.copies = dict(copies)
     return report

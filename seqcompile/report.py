@@ -103,6 +103,10 @@ class CompileReport:
     sites: list[str] = dataclasses.field(default_factory=list)
     """What fused sites compute at the traced sizes beyond their kernels (attention's masks and
     the blocks it skips), as "graph op: site: description"."""
+    copies: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Copies the fused ops made of arguments their kernels do not read through their strides,
+    as "op: argument shape strides" with how many times, in the run `explain` made (empty
+    elsewhere: a compile runs nothing)."""
     withdrawn: tuple[str, ...] = ()
     """Graphs whose kernels, memory plans, site descriptions and backward variants this report
     takes back where it is merged: `verify` replaced their compile (by one without some sites, or
@@ -147,6 +151,9 @@ class CompileReport:
             lines += ["", "fused sites at the traced sizes:"] + [f"  {v}" for v in self.sites]
         if self.variants:
             lines += ["", "backward variants:"] + [f"  {v}" for v in self.variants]
+        if self.copies:
+            lines += ["", "copies the fused ops made of arguments their kernels read contiguous:"]
+            lines += [f"  {label}: {n}x" for label, n in self.copies.items()]
         lines += ["", "memory of the step (at traced sizes):"]
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
             "  (no training graph)"

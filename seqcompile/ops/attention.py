@@ -34,7 +34,7 @@ import torch
 import triton
 
 from seqcompile import runtime
-from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
 from seqcompile.ops import samples_attention, score_mods
@@ -219,7 +219,8 @@ def attention(
     out, row_max, log_sum = impl(
         *_operands4(layout, q, k, v, bias, mask),
         seed, stream, p, scale, causal, masked_value, window, score_mod,
-        _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), _small4(layout, prefix),
+        _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias, "rel_bias"),
+        _small4(layout, prefix, "prefix"),
     )  # fmt: skip
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
@@ -239,21 +240,24 @@ def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=
 def _operands4(layout: Layout, q, k, v, bias, mask) -> list[Tensor | None]:
     """q, k, v, bias and mask as the 4-D views the implementations take."""
     return [
-        layout.to4(q, layout.heads),
-        layout.to4(k, layout.kv_heads),
-        layout.to4(v, layout.kv_heads),
-        *(layout.to4(t) if t is not None else None for t in (bias, mask)),
+        layout.to4(q, "q", layout.heads),
+        layout.to4(k, "k", layout.kv_heads),
+        layout.to4(v, "v", layout.kv_heads),
+        *(
+            layout.to4(t, name) if t is not None else None
+            for t, name in ((bias, "bias"), (mask, "mask"))
+        ),
     ]
 
 
 def _documents4(layout: Layout, doc_q, doc_kv) -> tuple[Tensor, Tensor] | None:
     """The document ids as 4-D views broadcast to the scores (None without them)."""
-    return None if doc_q is None else (layout.to4(doc_q), layout.to4(doc_kv))
+    return None if doc_q is None else (layout.to4(doc_q, "doc_q"), layout.to4(doc_kv, "doc_kv"))
 
 
-def _small4(layout: Layout, t: Tensor | None) -> Tensor | None:
+def _small4(layout: Layout, t: Tensor | None, name: str) -> Tensor | None:
     """A relative bias or a prefix as its 4-D view (None stays None)."""
-    return None if t is None else layout.to4(t)
+    return None if t is None else layout.to4(t, name)
 
 
 def _checked_layout(
@@ -464,10 +468,11 @@ def attention_backward(
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
     q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
     dq, dk, dv, dbias, drel = impl(
-        layout.to4(grad_out, layout.heads), q4, k4, v4, layout.to4(out, layout.heads), row_max,
+        layout.to4(grad_out, "grad_out", layout.heads), q4, k4, v4,
+        layout.to4(out, "out", layout.heads), row_max,
         log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        score_mod, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias), rel_grad,
-        _small4(layout, prefix),
+        score_mod, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias, "rel_bias"),
+        rel_grad, _small4(layout, prefix, "prefix"),
     )  # fmt: skip
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (
@@ -493,7 +498,8 @@ def backward_kernels(
 ):  # fmt: skip
     k_in = k
     k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
-    grad_out, out = grad_out.contiguous(), out.contiguous()
+    grad_out = copies.for_kernel(grad_out, "attention_backward", "grad_out")
+    out = copies.for_kernel(out, "attention_backward", "out")
     b, h, lq, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
     dq = runtime.empty(q.shape, q.dtype, q.device)

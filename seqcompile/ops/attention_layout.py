@@ -11,6 +11,8 @@ import math
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from seqcompile.codegen import copies
+
 Tensor = torch.Tensor
 
 
@@ -75,12 +77,16 @@ class Layout:
     def scores_shape(self, q: Tensor, k: Tensor) -> tuple[int, ...]:
         return (*self.result_batch, q.shape[-2], k.shape[-2])
 
-    def to4(self, t: Tensor, heads: int | None = None) -> Tensor:
-        """`t` as a 4-D view (batch, heads, rows, cols); `heads` expands a single head."""
+    def to4(self, t: Tensor, name: str, heads: int | None = None) -> Tensor:
+        """`t` (the argument `name`) as a 4-D view (batch, heads, rows, cols); `heads` expands a
+        single head. Where batch dims broadcast over several of the outer dims, the merge copies,
+        and the copy is counted."""
         t = _padded(t, self.dims)
         own_heads = t.shape[-3] if heads is None else heads
         t = t.expand(*self.outer, own_heads, *t.shape[-2:])
-        return t.reshape(self.batch, *t.shape[-3:])
+        return copies.for_kernel(
+            t, "attention", name, lambda t: t.reshape(self.batch, *t.shape[-3:])
+        )
 
     def from4(self, grad: Tensor, like: Tensor) -> Tensor:
         """A 4-D gradient summed back to the shape of the operand `like`."""

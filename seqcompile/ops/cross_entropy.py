@@ -18,7 +18,7 @@ import torch
 import triton
 
 from seqcompile import runtime
-from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import samples_loss
 from seqcompile.ops.fused_op import FusedOp, InPlace
 
@@ -40,7 +40,9 @@ def _block(vocab: int) -> tuple[int, int]:
 
 def rows(logits: Tensor) -> Tensor:
     """`logits` with a contiguous vocabulary dimension (a copy only when it is strided)."""
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
+    return (
+        logits if logits.stride(-1) == 1 else copies.for_kernel(logits, "cross_entropy", "logits")
+    )
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:

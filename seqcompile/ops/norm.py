@@ -22,7 +22,7 @@ import torch
 import triton
 
 from seqcompile import runtime
-from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import norm_reference as reference
 from seqcompile.ops import samples_norm
 from seqcompile.ops.fused_op import FusedOp
@@ -148,9 +148,18 @@ def _(x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dty
     return out, total, mean, x.new_empty(rows, dtype=torch.float32)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """`t` as contiguous (rows, width); the rows counted, as -1 is ambiguous at width 0."""
+def _rows(t: Tensor, argument: str) -> Tensor:
+    """`t` as contiguous (rows, width), a copy counted where it takes one; the rows counted, as
+    -1 is ambiguous at width 0."""
+    return copies.for_kernel(t, "add_norm", argument, _as_rows)
+
+
+def _as_rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).contiguous()
+
+
+def _vector(t: Tensor | None, argument: str) -> Tensor | None:
+    return None if t is None else copies.for_kernel(t, "add_norm", argument)
 
 
 def _num_warps(block_n: int) -> int:
@@ -161,7 +170,7 @@ def forward_kernels(
     x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
 ):
     n = x.shape[-1]
-    x2 = _rows(x)
+    x2 = _rows(x, "x")
     m = x2.shape[0]
     prologue = reference.has_prologue(residual, branch_bias, p)
     out = runtime.empty((m, n), out_dtype, x.device)
@@ -175,10 +184,10 @@ def forward_kernels(
         named = dict(residual=residual, branch_bias=branch_bias, weight=weight, bias=bias)
         (spec,) = forward_kernels_of(dict(named, p=p, rms=rms))
         optional = (
-            _rows(residual) if residual is not None else None,
-            branch_bias.contiguous() if branch_bias is not None else None,
-            weight.contiguous() if weight is not None else None,
-            bias.contiguous() if bias is not None else None,
+            _rows(residual, "residual") if residual is not None else None,
+            _vector(branch_bias, "branch_bias"),
+            _vector(weight, "weight"),
+            _vector(bias, "bias"),
             seed if p > 0 else None,
         )
         outputs = (out, total if prologue else None, None if rms else mean, rstd)
@@ -252,7 +261,7 @@ def backward_kernels(
     )
     params = [t for t in (dweight, dbias, dbranch_bias) if t.numel() > 0]
     n = saved.shape[-1]
-    s2 = _rows(saved)
+    s2 = _rows(saved, "saved")
     m = s2.shape[0]
     if m == 0 or n == 0:
         for t in params:
@@ -274,11 +283,11 @@ def backward_kernels(
         )  # fmt: skip
     )
     optional_inputs = (
-        _rows(grad_sum) if grad_sum is not None else None,
+        _rows(grad_sum, "grad_sum") if grad_sum is not None else None,
         s2,
         None if rms else mean.reshape(-1),
         rstd.reshape(-1),
-        weight.contiguous() if weight is not None else None,
+        _vector(weight, "weight"),
         seed if p > 0 else None,
     )
     outputs = (
@@ -288,7 +297,7 @@ def backward_kernels(
     )
     block_n = triton.next_power_of_2(n)
     kernel_function(specs[0])[(programs,)](
-        _rows(grad_out),
+        _rows(grad_out, "grad_out"),
         *(t for t in optional_inputs if t is not None),
         *(t for t in outputs if t is not None),
         m,

@@ -167,11 +167,11 @@ CROSS_ENTROPY = textwrap.dedent(
 
     for mode in ("forward", "backward", "forward_grad"):
         fn = kernel_function(cross_entropy.spec(mode)).jit
-        sig = {name: "*fp32" for name in fn.arg_names}
-        sig.update(LOGITS="*bf16", TARGET="*i64", V="i32", row_stride="i32", ignore_index="i64",
+        sig = {name: "i32" if name.endswith("_stride") else "*fp32" for name in fn.arg_names}
+        sig.update(LOGITS="*bf16", TARGET="*i64", V="i32", ignore_index="i64",
                    smoothing="fp32", BLOCK_V="constexpr")
         if mode == "backward":
-            sig.update(GRAD="*fp32", DLOGITS="*bf16", grad_stride="i32")
+            sig.update(GRAD="*fp32", DLOGITS="*bf16")
         source = ASTSource(fn, sig, constexprs={"BLOCK_V": 4096})
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
         print("ok", mode)
