@@ -154,17 +154,24 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_call(item):
     """In the kernel tier, count kernel launches during the test and fail it when a kernel its
     `kernels` mark names never ran (the reference ran instead, or nothing did), or when a test
-    that names none launched one."""
+    that names none launched one. A kernel that never ran is reported before any other failure
+    of the test, as its cause (a count of what the launcher did fails too when it never ran)."""
     names = expected_kernels(item)
     if names is None or torch.cuda.is_available():
         return (yield)
+    failure = None
     with counting_launches() as launches:
-        result = yield
+        try:
+            result = yield
+        except Exception as error:  # judged below: a kernel that never ran is the first cause
+            failure = error
     missing = [name for name in names if launches.of(name) == 0]
     if missing:
         raise AssertionError(
             f"kernels {missing} were never launched; launches: {launches.names() or 'none'}"
-        )
+        ) from failure
+    if failure is not None:
+        raise failure
     if not names and launches.names():
         raise AssertionError(f"the test names no kernel but launched {launches.names()}")
     return result
