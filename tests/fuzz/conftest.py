@@ -1,5 +1,5 @@
 """The fuzzer's records: each passing program's fusion counts, refusals and attention readings,
-summed up at the end of the run (per family, what fused against what README.md promises, the
+summed up at the end of the run (per family, what fused against what the docs promise, the
 refusal reasons seen, what attention computed or read and which readings the code refuted, and
 the programs where nothing fused)."""
 

@@ -17,7 +17,7 @@ import torch
 
 VISIBLE_ABOVE = -1e3
 """A score whose mask or bias adds at most this is taken as hidden when the generator checks that
-every query keeps a key. README.md ("How fused attention defines rows in which every key is
+every query keeps a key. docs/attention.md ("Rows in which every key is
 masked"): a row whose every key is masked differs from eager by design where the kernel computes
 the causal triangle, window or documents (a finite fill is read as -inf there), and eager's
 softmax of a row of -inf is NaN where the kernel's is 0; so no mask drawn here hides every key of
@@ -840,7 +840,7 @@ def site_terms(
 ) -> Application | None:
     """Draws position terms for one attention site (a mask, a bias of key - query, or both) and
     how it applies them, such that every query keeps a key; writes their code into the program.
-    Three things the attention pattern refuses (its reasons, not README.md's) are not drawn: the
+    Three things the attention pattern refuses (its reasons, not the docs') are not drawn: the
     code comes before the attention ("grad mode, autocast or an in-place op changes inside the
     attention"), the site applies the terms after its other biases ("a bias is added after a mask
     filled with ...; the kernel fills last"), and its other masks are left out, as a mask's fills
@@ -863,7 +863,7 @@ def _draw(b: Builder, which: str, sdpa: bool) -> Application | None:
     rng, w = b.rng, b.w
     # A bias filled above the diagonal beside a mask gives the site two masks, whose fills differ
     # or come before the other's bias: the attention pattern refuses both ("masks fill different
-    # values", "a bias is added after a mask filled with ..."), which README.md does not list.
+    # values", "a bias is added after a mask filled with ..."), listed in docs/attention.md.
     bias = relative(b, masked=which == "relative") if which != "mask" else None
     x = mask(b) if which != "relative" else None
     for term in (bias, x):

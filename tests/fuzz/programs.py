@@ -1,4 +1,4 @@
-"""Random programs for the differential fuzzer: compositions of the spellings README.md lists for
+"""Random programs for the differential fuzzer: compositions of the spellings docs/ lists for
 attention, residual + norm, pointwise regions and the loss, written out as Python source (so a
 failing program prints as a script), at random sizes, memory layouts and dtypes, from one seed."""
 
@@ -151,7 +151,7 @@ class Program:
     tolerance: torch.dtype
     """The dtype whose tolerance the comparisons take: the lowest precision the program uses."""
     promised: Counter[str]
-    """Sites README.md says fuse: attention, norm and loss exactly, pointwise at least."""
+    """Sites the family pages say fuse: attention, norm and loss exactly, pointwise at least."""
     dropout: float
     """The probability of the dropout run (0: none; the values are compared at p=0 anyway)."""
     dropped_outputs: tuple[int, ...]
@@ -729,7 +729,7 @@ def loss(w: Writer, logits: str | tuple[str, str, str | None], target: str, igno
     default_ignore = ignore is None or (ignore == -100 and rng.random() < 0.5)
     ignore_arg = "" if default_ignore else f", ignore_index={ignore}"
     if spelling == "fairseq":
-        # README.md describes the spelling with its masked_fill of padding and, without an
+        # docs/loss.md describes the spelling with its masked_fill of padding and, without an
         # ignore index, with the squeeze fairseq writes instead
         w.promised["loss"] += 2
         eps = rng.choice([0.0, 0.1])

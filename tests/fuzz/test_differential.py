@@ -1,6 +1,6 @@
 """The differential fuzzer: each seed's program (tests/fuzz/programs.py) runs in eager and compiled
-with seqfast; the outputs, every gradient (inputs and parameters) and the fusion counts README.md
-promises must agree. Programs with dropout are compared with p=0, then run with p>0 for shapes,
+with seqfast; the outputs, every gradient (inputs and parameters) and the fusion counts the docs
+promise must agree. Programs with dropout are compared with p=0, then run with p>0 for shapes,
 finite values, and the keep ratio and scaling where a dropout is the last op. A failure's first
 line names the seed, the program and the command that reruns it alone; the program follows as a
 script."""
@@ -232,14 +232,14 @@ def check_values(program: Program) -> tuple[Run, Run]:
 
 
 def check_fusion_counts(program: Program, fast: Run) -> None:
-    """What README.md promises fused: attention, norm and loss sites exactly, pointwise regions
+    """What docs/ promises fused: attention, norm and loss sites exactly, pointwise regions
     at least (a region may also form around ops of other blocks)."""
     for family in FAMILIES:
         promised, fused = program.promised[family], fast.counts[family]
         exact = family != "pointwise"
         if fused != promised if exact else fused < promised:
             raise AssertionError(
-                f"{family}: fused {fused}, README promises {'' if exact else 'at least '}"
+                f"{family}: fused {fused}, the docs promise {'' if exact else 'at least '}"
                 f"{promised}; refusals: {fast.missed or 'none'}"
             )
 
