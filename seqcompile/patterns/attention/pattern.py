@@ -42,7 +42,7 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.patterns.attention_claims import (
+from seqcompile.patterns.attention.claims import (
     REFUTED,
     Claim,
     FillClaim,
@@ -50,15 +50,7 @@ from seqcompile.patterns.attention_claims import (
     read_as_is,
     refutations,
 )
-from seqcompile.patterns.attention_masks import (
-    CASTS,
-    constant,
-    dtype_of,
-    filled_triangle,
-    triangle,
-)
-from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
-from seqcompile.patterns.index_masks import (
+from seqcompile.patterns.attention.index_masks import (
     WHERE,
     Diagonal,
     HalfPlane,
@@ -69,8 +61,16 @@ from seqcompile.patterns.index_masks import (
     split_diagonal,
     whole_slice,
 )
-from seqcompile.patterns.relative_bias import RelativeBias, per_diagonal, read_relative
-from seqcompile.patterns.score_mod import modified_operand, register_chain
+from seqcompile.patterns.attention.masks import (
+    CASTS,
+    constant,
+    dtype_of,
+    filled_triangle,
+    triangle,
+)
+from seqcompile.patterns.attention.relative_bias import RelativeBias, per_diagonal, read_relative
+from seqcompile.patterns.attention.score_mod import modified_operand, register_chain
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
 aten = torch.ops.aten

@@ -19,7 +19,7 @@ from seqcompile.fx_aliasing import computed_from_written
 from seqcompile.fx_evaluate import Evaluator, Sizes, Unevaluated, other_sizes, size_at, traced_sizes
 
 if TYPE_CHECKING:
-    from seqcompile.patterns.index_masks import HalfPlane, Prefix
+    from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
 
 log = logging.getLogger("seqcompile")
 REFUTED = "seqfast_refuted"

@@ -29,8 +29,8 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, tensor_val, val
-from seqcompile.patterns.attention_claims import KeepClaim, read_as_is
-from seqcompile.patterns.attention_masks import constant, is_causal, triangle
+from seqcompile.patterns.attention.claims import KeepClaim, read_as_is
+from seqcompile.patterns.attention.masks import constant, is_causal, triangle
 
 aten = torch.ops.aten
 _AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
