@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
-from seqcompile.patterns.attention import index_masks, masks, pattern
+from seqcompile.patterns.attention import fold, index_masks, links, masks
 from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
 from seqcompile.patterns.attention.relative_bias import RelativeBias
 from seqcompile.report import collecting
@@ -179,7 +179,7 @@ def test_positions_read_wrongly_within_documents_are_refuted(monkeypatch):
 
 
 def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch):
-    monkeypatch.setattr(pattern, "_zeros", lambda node: True)
+    monkeypatch.setattr(links, "_zeros", lambda node: True)
 
     def fn(q, k, v, bias):
         return attend(scores(q, k) + torch.full_like(bias, 0.5), v)
@@ -188,7 +188,7 @@ def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch):
 
 
 def test_a_triangle_of_a_fill_read_wrongly_is_refuted(monkeypatch):
-    monkeypatch.setattr(pattern, "filled_triangle", lambda node, scores: NEG_INF)
+    monkeypatch.setattr(links, "filled_triangle", lambda node, scores: NEG_INF)
 
     def fn(q, k, v):
         n = q.shape[-2]
@@ -210,7 +210,7 @@ def test_a_fill_read_in_the_wrong_dtype_is_refuted(monkeypatch):
 
 
 def test_a_bias_read_wrongly_as_relative_is_refuted(monkeypatch):
-    monkeypatch.setattr(pattern, "read_relative", lambda bias, lq, lk: RelativeBias(bias, {}, {}))
+    monkeypatch.setattr(fold, "read_relative", lambda bias, lq, lk: RelativeBias(bias, {}, {}))
 
     def fn(q, k, v):
         q_idx, kv_idx = positions(q.shape[-2])

@@ -25,7 +25,7 @@ log = logging.getLogger("seqcompile")
 REFUTED = "seqfast_refuted"
 """`node.meta` key of a node whose reading a check refuted, with the reason."""
 FILL_LIMIT = -1e4
-"""Values at most this (attention.CAUSAL_FILL) mask a score as a fill does: they compare equal."""
+"""Values at most this (links.CAUSAL_FILL) mask a score as a fill does: they compare equal."""
 
 
 def read_as_is(node: Node) -> bool:
