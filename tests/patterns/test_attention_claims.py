@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
-from seqcompile.patterns import attention, attention_masks, index_masks
-from seqcompile.patterns.index_masks import HalfPlane, Prefix
-from seqcompile.patterns.relative_bias import RelativeBias
+from seqcompile.patterns.attention import fold, index_masks, links, masks
+from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
+from seqcompile.patterns.attention.relative_bias import RelativeBias
 from seqcompile.report import collecting
 
 B, H, L, D = 2, 2, 9, 8
@@ -179,7 +179,7 @@ def test_positions_read_wrongly_within_documents_are_refuted(monkeypatch):
 
 
 def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch):
-    monkeypatch.setattr(attention, "_zeros", lambda node: True)
+    monkeypatch.setattr(links, "_zeros", lambda node: True)
 
     def fn(q, k, v, bias):
         return attend(scores(q, k) + torch.full_like(bias, 0.5), v)
@@ -188,7 +188,7 @@ def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch):
 
 
 def test_a_triangle_of_a_fill_read_wrongly_is_refuted(monkeypatch):
-    monkeypatch.setattr(attention, "filled_triangle", lambda node, scores: NEG_INF)
+    monkeypatch.setattr(links, "filled_triangle", lambda node, scores: NEG_INF)
 
     def fn(q, k, v):
         n = q.shape[-2]
@@ -200,7 +200,7 @@ def test_a_triangle_of_a_fill_read_wrongly_is_refuted(monkeypatch):
 def test_a_fill_read_in_the_wrong_dtype_is_refuted(monkeypatch):
     """The class behind the boolean fills above: with constants read as Python numbers again,
     the check catches what the reader concluded."""
-    monkeypatch.setattr(attention_masks, "_in_dtype", lambda value, dtype: value)
+    monkeypatch.setattr(masks, "_in_dtype", lambda value, dtype: value)
 
     def fn(q, k, v):
         n = q.shape[-2]
@@ -210,7 +210,7 @@ def test_a_fill_read_in_the_wrong_dtype_is_refuted(monkeypatch):
 
 
 def test_a_bias_read_wrongly_as_relative_is_refuted(monkeypatch):
-    monkeypatch.setattr(attention, "read_relative", lambda bias, lq, lk: RelativeBias(bias, {}, {}))
+    monkeypatch.setattr(fold, "read_relative", lambda bias, lq, lk: RelativeBias(bias, {}, {}))
 
     def fn(q, k, v):
         q_idx, kv_idx = positions(q.shape[-2])

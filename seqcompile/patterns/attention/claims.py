@@ -19,13 +19,13 @@ from seqcompile.fx_aliasing import computed_from_written
 from seqcompile.fx_evaluate import Evaluator, Sizes, Unevaluated, other_sizes, size_at, traced_sizes
 
 if TYPE_CHECKING:
-    from seqcompile.patterns.index_masks import HalfPlane, Prefix
+    from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
 
 log = logging.getLogger("seqcompile")
 REFUTED = "seqfast_refuted"
 """`node.meta` key of a node whose reading a check refuted, with the reason."""
 FILL_LIMIT = -1e4
-"""Values at most this (attention.CAUSAL_FILL) mask a score as a fill does: they compare equal."""
+"""Values at most this (links.CAUSAL_FILL) mask a score as a fill does: they compare equal."""
 
 
 def read_as_is(node: Node) -> bool:

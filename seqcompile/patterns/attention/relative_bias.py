@@ -24,8 +24,9 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, node_order, tensor_val
+from seqcompile.patterns.attention.claims import RelativeClaim
+from seqcompile.patterns.attention.index_masks import linear, whole_slice
 from seqcompile.patterns.engine import FuseContext
-from seqcompile.patterns.index_masks import linear, whole_slice
 
 aten = torch.ops.aten
 
@@ -52,7 +53,7 @@ class Dims:
         return Dims(where[self.q], where[self.kv])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RelativeBias:
     """A bias read as a function of key - query: the nodes between the differences and the bias,
     with their position dims, and each difference's sign and offset (`sign * (kv - q) +
@@ -61,6 +62,11 @@ class RelativeBias:
     bias: Node
     dims: dict[Node, Dims]
     differences: dict[Node, tuple[int, int]]
+
+    @property
+    def claim(self) -> RelativeClaim:
+        """That the bias is constant along each diagonal, to be checked against its code."""
+        return RelativeClaim(self.bias)
 
 
 def read_relative(bias: Node, lq: object, lk: object) -> RelativeBias | None:
@@ -110,37 +116,53 @@ def _dims(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims |
 
 def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
     """The position dims of an op's result from its operands'."""
-    rank = tensor_val(node).dim()
-    if is_call(node, aten.embedding.default):
-        weight, index = node.args[:2]
-        if arg(node, 3, "scale_grad_by_freq"):  # its counts are per score, not per diagonal
-            return None
-        if _dims(weight, lq, lk, found, positional) is not _FREE:
-            return None
-        return _dims(index, lq, lk, found, positional)
-    if is_call(node, aten.index.Tensor):
-        source, indices = node.args[:2]
-        if len(indices) != 1 or _dims(source, lq, lk, found, positional) is not _FREE:
-            return None
-        return _dims(indices[0], lq, lk, found, positional)
+    if is_call(node, aten.embedding.default, aten.index.Tensor):
+        return _through_lookup(node, lq, lk, found, positional)
     if is_call(node, aten.permute.default, aten.transpose.int, aten.unsqueeze.default):
         inner = _dims(node.args[0], lq, lk, found, positional)
-        return None if inner in (None, _FREE) else inner.moved(_moves(node, rank))
+        return None if inner in (None, _FREE) else inner.moved(_moves(node, tensor_val(node).dim()))
     if is_call(node, aten.slice.Tensor, aten.expand.default):
-        inner = _dims(node.args[0], lq, lk, found, positional)
-        if inner in (None, _FREE):
-            return None
-        before, after = tensor_val(node.args[0]), tensor_val(node)
-        shift = after.dim() - before.dim()
-        dims = Dims(inner.q + shift, inner.kv + shift)
-        keeps = all(
-            statically_known_true(after.shape[d + shift] == before.shape[d])
-            for d in (inner.q, inner.kv)
-        )
-        return dims if keeps and (is_call(node, aten.expand.default) or whole_slice(node)) else None
+        return _through_view(node, lq, lk, found, positional)
     if not (is_call(node, *_PER_POSITION) or _pointwise(node)):
         return None
-    dims = None
+    dims = _operands_dims(node, lq, lk, found, positional)
+    if dims is None or not _constant_along(node, dims, found):
+        return None
+    return dims
+
+
+def _through_lookup(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
+    """`embedding(table, index)` or `source[index]`: the index's dims, the table's constant."""
+    if is_call(node, aten.embedding.default):
+        if arg(node, 3, "scale_grad_by_freq"):  # its counts are per score, not per diagonal
+            return None
+        table, looked_up = node.args[0], [node.args[1]]
+    else:
+        table, looked_up = node.args[:2]
+    if len(looked_up) != 1 or _dims(table, lq, lk, found, positional) is not _FREE:
+        return None
+    return _dims(looked_up[0], lq, lk, found, positional)
+
+
+def _through_view(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
+    """A slice or expand that keeps the sizes of the position dims (a slice the whole of them)."""
+    inner = _dims(node.args[0], lq, lk, found, positional)
+    if inner in (None, _FREE):
+        return None
+    before, after = tensor_val(node.args[0]), tensor_val(node)
+    shift = after.dim() - before.dim()
+    dims = Dims(inner.q + shift, inner.kv + shift)
+    keeps = all(
+        statically_known_true(after.shape[d + shift] == before.shape[d])
+        for d in (inner.q, inner.kv)
+    )
+    return dims if keeps and (is_call(node, aten.expand.default) or whole_slice(node)) else None
+
+
+def _operands_dims(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
+    """The position dims of a pointwise op's result, where its operands that hold positions
+    agree on them."""
+    rank, dims = tensor_val(node).dim(), None
     for operand in [*node.args, *node.kwargs.values()]:
         inner = _tentative_dims(operand, lq, lk, found, positional)
         if inner is None and tensor_val(operand) is not None:
@@ -155,17 +177,21 @@ def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims 
         if dims not in (None, mapped):
             return None
         dims = mapped
-    if dims is None:
-        return None
-    for operand in [*node.args, *node.kwargs.values()]:  # the rest is constant along positions
+    return dims
+
+
+def _constant_along(node: Node, dims: Dims, found: RelativeBias) -> bool:
+    """Whether the operands of `node` that hold no positions are constant along `dims`."""
+    rank = tensor_val(node).dim()
+    for operand in [*node.args, *node.kwargs.values()]:
         value = tensor_val(operand)
         if value is None or found.dims.get(operand) is not None:
             continue
         shift = rank - value.dim()
         for d in (dims.q - shift, dims.kv - shift):
             if d >= 0 and not statically_known_true(value.shape[d] == 1):
-                return None
-    return dims
+                return False
+    return True
 
 
 def _tentative_dims(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
@@ -175,7 +201,10 @@ def _tentative_dims(node: object, lq, lk, found: RelativeBias, positional: dict)
     dims, differences = dict(found.dims), dict(found.differences)
     inner = _dims(node, lq, lk, found, positional)
     if inner is None:
-        found.dims, found.differences = dims, differences
+        found.dims.clear()
+        found.dims.update(dims)
+        found.differences.clear()
+        found.differences.update(differences)
     return inner
 
 

@@ -29,8 +29,8 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, tensor_val, val
-from seqcompile.patterns.attention_claims import KeepClaim, read_as_is
-from seqcompile.patterns.attention_masks import constant, is_causal, triangle
+from seqcompile.patterns.attention.claims import KeepClaim, read_as_is
+from seqcompile.patterns.attention.masks import constant, is_causal, triangle
 
 aten = torch.ops.aten
 _AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
@@ -99,6 +99,15 @@ class Prefix:
     offset: int
     factor: Node
     keeps: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Query ids (..., Lq, 1) and key ids (..., 1, Lk) whose equality keeps a score: a packed
+    batch's document mask, which the kernel tests from the ids."""
+
+    q: Node
+    kv: Node
 
 
 @dataclasses.dataclass
@@ -250,7 +259,7 @@ def _position_runs(split: list[tuple[Node, bool]]) -> Runs:
     runs = {}
     for factor, keeps in split:
         ids = document_ids(factor, keeps)
-        gathers = [_gather(side) for side in ids] if ids is not None else [None]
+        gathers = [_gather(ids.q), _gather(ids.kv)] if ids is not None else [None]
         if None in gathers or len({(src, b) for src, b, _ in gathers}) != 1:
             continue
         source, batch, _ = gathers[0]
@@ -308,8 +317,8 @@ def _not_last(node: Node, dim: object) -> bool:
     return not isinstance(dim, int) or dim % rank != rank - 1
 
 
-def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:
-    """(query ids, key ids) where `factor` keeps the scores whose query and key ids are equal:
+def document_ids(factor: Node, keeps: bool) -> Documents | None:
+    """The query and key ids where `factor` keeps the scores whose query and key ids are equal:
     `eq(a, b)` (or `ne` where True masks) of integer ids, one operand constant along the keys,
     (..., Lq, 1), the other along the queries, (..., 1, Lk): packed sequences' document mask,
     `doc[:, None, :, None] == doc[:, None, None, :]`, or `doc[b_idx, q_idx] == doc[b_idx,
@@ -327,7 +336,7 @@ def document_ids(factor: Node, keeps: bool) -> tuple[Node, Node] | None:
             and statically_known_true(vx.shape[-1] == 1)
             and statically_known_true(vy.shape[-2] == 1)
         ):
-            return x, y
+            return Documents(x, y)
     return None
 
 
@@ -335,7 +344,18 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
     """The masks whose conjunction is `mask` (with whether True keeps, for each): `&` splits a
     mask where True keeps, `|` one where True masks, a negation (`~m`, `m == 0`) flips; a
     constant that keeps everything is dropped."""
-    node: object = mask
+    node, keeps = _unwrapped(mask, keeps)
+    if is_call(node, *(_AND if keeps else _OR)) and all(_is_bool(a) for a in node.args[:2]):
+        return [f for a in node.args[:2] for f in factors(a, keeps)]
+    if _is_bool(node) and tensor_val(node).dim() == 0 and constant(node) == float(keeps):
+        return []
+    if is_call(node, aten.new_ones.default, aten.ones.default) and list(node.args[-1]) == []:
+        return [] if keeps else [(node, keeps)]
+    return [(node, keeps)]
+
+
+def _unwrapped(node: object, keeps: bool) -> tuple[object, bool]:
+    """`node` through views, casts and negations (with whether True keeps there)."""
     while True:
         if is_call(node, aten.expand.default, aten.alias.default) or _bool_cast(node):
             node = node.args[0]
@@ -349,14 +369,7 @@ def factors(mask: Node, keeps: bool) -> list[tuple[Node, bool]]:
             node, flips = tested
             keeps = keeps != flips
         else:
-            break
-    if is_call(node, *(_AND if keeps else _OR)) and all(_is_bool(a) for a in node.args[:2]):
-        return [f for a in node.args[:2] for f in factors(a, keeps)]
-    if _is_bool(node) and tensor_val(node).dim() == 0 and constant(node) == float(keeps):
-        return []
-    if is_call(node, aten.new_ones.default, aten.ones.default) and list(node.args[-1]) == []:
-        return [] if keeps else [(node, keeps)]
-    return [(node, keeps)]
+            return node, keeps
 
 
 def half_plane(
@@ -442,7 +455,19 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
     if len(varying) != 1 or value.dim() - varying[0] > 2:
         return None
     on_keys = varying[0] == value.dim() - 1
-    length = lk if on_keys else lq
+    found = _offset_arange(node)
+    if found is None:
+        return None
+    node, offset = found
+    start = _unit_range_start(node, lk if on_keys else lq)
+    if start is None:
+        return None
+    return Linear(q=int(not on_keys), kv=int(on_keys), constant=offset + start)
+
+
+def _offset_arange(node: Node) -> tuple[Node, int] | None:
+    """(the `arange`, the offset added) where `node` is an `arange` plus integer offsets,
+    through views that only add or remove size-1 dims or broadcast."""
     offset = 0
     while not is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
         if is_call(node, *_BROADCAST_VIEWS) or _int_cast(node) or whole_slice(node):
@@ -460,6 +485,11 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
             return None  # narrower integers wrap around
         if sum(not statically_known_true(s == 1) for s in source.shape) > 1:
             return None
+    return node, offset
+
+
+def _unit_range_start(node: Node, length: object) -> int | None:
+    """The start of the `arange` `node` where it steps by 1 over `length` values."""
     if node.target is aten.arange.default:
         start, end, step = 0, node.args[0], 1
     else:
@@ -473,7 +503,7 @@ def position(node: object, lq: object, lk: object) -> Linear | None:
         or not statically_known_true(end - start == length)
     ):
         return None
-    return Linear(q=int(not on_keys), kv=int(on_keys), constant=offset + start)
+    return start
 
 
 def _integer(value: object) -> int | None:

@@ -194,26 +194,33 @@ def _to_triangle(
     whether True keeps there, whether a cast lies between)."""
     cast = False
     while isinstance(node, Node) and not is_call(node, aten.tril.default, aten.triu.default):
-        value = tensor_val(node)
-        source = tensor_val(node.args[0]) if node.args else None
-        same = _covers(value, scores) and _same_rows(source, value)
-        if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
-            keeps = keeps != is_call(node, aten.eq.Scalar)
-            node = node.args[0] if same else None
-        elif _nonzero_product(node):
-            node = node.args[0] if same else None
-        elif is_call(node, aten.logical_not.default) or (
-            is_call(node, aten.bitwise_not.default) and source is not None
-            and source.dtype == torch.bool
-        ):  # fmt: skip
-            keeps = not keeps
-            node = node.args[0] if same else None
+        step = _test_step(node, keeps, scores)
+        if step is not None:
+            node, keeps = step
         else:
             cast = cast or is_call(node, *CASTS)
             node = _top_left(node, scores)
     if node is None or not _covers(tensor_val(node), scores):
         return None
     return node, keeps, cast
+
+
+def _test_step(node: Node, keeps: bool, scores: Sequence[Any]) -> tuple[object, bool] | None:
+    """Through a comparison with 0, a product with a constant or a negation: its operand (None
+    where that does not hold the same rows) and whether True keeps there; None for another op."""
+    value = tensor_val(node)
+    source = tensor_val(node.args[0]) if node.args else None
+    if is_call(node, aten.eq.Scalar, aten.ne.Scalar) and node.args[1] == 0:
+        keeps = keeps != is_call(node, aten.eq.Scalar)
+    elif is_call(node, aten.logical_not.default) or (
+        is_call(node, aten.bitwise_not.default) and source is not None
+        and source.dtype == torch.bool
+    ):  # fmt: skip
+        keeps = not keeps
+    elif not _nonzero_product(node):
+        return None
+    same = _covers(value, scores) and _same_rows(source, value)
+    return (node.args[0] if same else None), keeps
 
 
 def _nonzero_product(node: Node) -> bool:

@@ -15,7 +15,7 @@ from torch.fx import Node
 from seqcompile.fx_utils import tensor_val
 from seqcompile.ops import score_mods
 from seqcompile.ops.pointwise_region import UnsupportedRegion
-from seqcompile.patterns.attention_masks import constant
+from seqcompile.patterns.attention.masks import constant
 from seqcompile.patterns.engine import Reject
 
 Tensor = torch.Tensor
