@@ -1,5 +1,7 @@
-"""CompileReport: what a compile fused (per family), what it recognized but refused and why, the
-kernels it generated, and what the backward keeps in memory. `str(report)` is a readable table."""
+"""CompileReport: what a compile fused (per family, with the operators the registry says each
+family makes), what it recognized but refused and why, the kernels it generated, and what the
+backward keeps in memory (each launched operator's saves, from its registry entry). `str(report)`
+is a readable table."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from seqcompile.codegen import KernelSource, KernelSpec
+from seqcompile.ops import registry
+from seqcompile.ops.fused_op import FusedOp
 
 if TYPE_CHECKING:
     from seqcompile.memory.budget import RecomputePlan
@@ -137,7 +141,10 @@ class CompileReport:
         lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
         if self.counts:
             width = max(len(name) for name in self.counts)
-            lines += [f"  {name:<{width}}  {n}" for name, n in sorted(self.counts.items())]
+            lines += [
+                f"  {name:<{width}}  {n}{_operators(name)}"
+                for name, n in sorted(self.counts.items())
+            ]
         else:
             lines.append("  (none)")
         lines += ["", "recognized but not fused:"]
@@ -158,10 +165,27 @@ class CompileReport:
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
             "  (no training graph)"
         ]
+        saving = _launched(self.kernels) if self.memory else []
+        if saving:
+            lines += ["", "what each fused operator keeps for its backward:"]
+            lines += [f"  {entry.name}: {entry.saves}" for entry in saving]
         if self.verified:
             lines += ["", "verify (compiled graph against eager):"]
             lines += [str(finding) for finding in self.verified]
         return "\n".join(lines) + "\n"
+
+
+def _operators(family: str) -> str:
+    """The fused operators a built-in family makes, as the registry says (nothing for a user
+    pattern's name)."""
+    names = [entry.name for entry in registry.entries_of(family)]
+    return f"  ({', '.join(names)})" if names else ""
+
+
+def _launched(uses: list[KernelUse]) -> list[FusedOp]:
+    """The registry's entries whose kernels the compiled graphs launch, in the registry's order."""
+    ops = {use.op for use in uses}
+    return [entry for entry in registry.ENTRIES if entry.name in ops]
 
 
 def _kernel_lines(uses: list[KernelUse]) -> list[str]:

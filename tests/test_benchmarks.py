@@ -6,21 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import KERNEL_BENCHMARKS, MODEL_BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # a minute in all: CI runs them when it runs each file
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "benchmarks.norm_kernels",
-        "benchmarks.train_step",
-        "benchmarks.attention",
-        "benchmarks.pointwise_kernels",
-        "benchmarks.loss",
-        "benchmarks.memory_budget",
-    ],
-)
+@pytest.mark.parametrize("module", [*dict.fromkeys(KERNEL_BENCHMARKS.values()), *MODEL_BENCHMARKS])
 def test_benchmark_quick_run_writes_a_table(module, tmp_path):
     text = quick_run(module, tmp_path)
     assert "device: cpu" in text

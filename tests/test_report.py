@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import seqcompile
+from seqcompile.ops import registry
 from seqcompile.report import format_bytes
 
 
@@ -38,6 +39,16 @@ def test_explain_counts_refusals_kernels_and_memory():
     step = report.memory[0].step
     assert f"fused-op saves {format_bytes(step.kept_fused_bytes)}" in text
     assert "parameters' gradients" in text and "peak" in text
+
+
+def test_the_report_names_each_familys_operators_and_what_they_keep():
+    """From the registry: the operators a counted family makes, and what each operator the
+    compile launches keeps for its backward."""
+    model = TwoSites().train()
+    report = seqcompile.explain(model, torch.randn(4, 16, requires_grad=True), torch.randn(4, 16))
+    text = str(report)
+    assert "  norm  1  (add_norm)" in text
+    assert f"  add_norm: {registry.entry_named('add_norm').saves}" in text
 
 
 def test_explain_recompiles_a_model_compiled_before():

@@ -39,7 +39,7 @@ from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
 from seqcompile.ops import samples_attention, score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256
@@ -226,8 +226,9 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
-      doc_q=None, doc_kv=None, rel_bias=None, prefix=None):  # fmt: skip
+@named(torch.ops.seqfast.attention.default)
+def _(call: Call):
+    q, k, v = (call[name] for name in "qkv")
     layout = Layout.of(q, k, v)
     rows = (layout.batch, layout.heads, q.shape[-2])
     return (
@@ -483,11 +484,15 @@ def attention_backward(
 
 
 @attention_backward.register_fake
-def _(grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-      masked_value, bias_grad, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
-      rel_grad=False, prefix=None):  # fmt: skip
-    dbias = bias.new_empty(bias.shape) if bias_grad else reference.no_bias_grad(q, bias)
-    drel = rel_bias.new_empty(rel_bias.shape) if rel_grad else reference.no_bias_grad(q, rel_bias)
+@named(torch.ops.seqfast.attention_backward.default)
+def _(call: Call):
+    q, k, v, bias, rel_bias = (call[name] for name in ("q", "k", "v", "bias", "rel_bias"))
+    dbias = bias.new_empty(bias.shape) if call["bias_grad"] else reference.no_bias_grad(q, bias)
+    drel = (
+        rel_bias.new_empty(rel_bias.shape)
+        if call["rel_grad"]
+        else reference.no_bias_grad(q, rel_bias)
+    )
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, drel
 
 
@@ -561,37 +566,36 @@ def backward_kernels(
 # autograd
 
 
+FORWARD = torch.ops.seqfast.attention.default
+SAVED = ("q", "k", "v", "bias", "mask", "seed", "doc_q", "doc_kv", "rel_bias", "prefix")
+"""The forward's arguments its backward reads as tensors (with the output and the row
+statistics); the others it takes as they were given."""
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window, score_mod = inputs[
-        :13
-    ]
-    doc_q, doc_kv, rel_bias, prefix = inputs[13:]
+    call = Call(FORWARD, inputs, {})
     out, row_max, log_sum = output
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
-    saved = (q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias, prefix)
-    ctx.save_for_backward(*saved)
-    ctx.config = dict(
-        stream=stream, p=p, scale=scale, causal=causal, masked_value=masked_value,
-        window=window, score_mod=score_mod,
-    )  # fmt: skip
+    ctx.save_for_backward(*(call[name] for name in SAVED), out, row_max, log_sum)
+    ctx.config = {name: value for name, value in call.items() if name not in SAVED}
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
     if grad_out is None:
-        return (None,) * 17
-    q, k, v, out, row_max, log_sum, bias, mask, seed, doc_q, doc_kv, rel_bias, prefix = (
-        ctx.saved_tensors
-    )
-    bias_grad = bias is not None and ctx.needs_input_grad[3]
-    rel_grad = rel_bias is not None and ctx.needs_input_grad[15]
+        return gradients(FORWARD)
+    *tensors, out, row_max, log_sum = ctx.saved_tensors
+    saved = dict(zip(SAVED, tensors, strict=True))
+    bias_grad = saved["bias"] is not None and needs_grad(ctx, FORWARD, "bias")
+    rel_grad = saved["rel_bias"] is not None and needs_grad(ctx, FORWARD, "rel_bias")
     dq, dk, dv, dbias, drel = torch.ops.seqfast.attention_backward(
-        grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed,
-        bias_grad=bias_grad, doc_q=doc_q, doc_kv=doc_kv, rel_bias=rel_bias, rel_grad=rel_grad,
-        prefix=prefix, **ctx.config,
+        grad_out, out=out, row_max=row_max, log_sum=log_sum, bias_grad=bias_grad,
+        rel_grad=rel_grad, **saved, **ctx.config,
     )  # fmt: skip
-    grads = (dq, dk, dv, dbias if bias_grad else None)
-    return grads + (None,) * 11 + (drel if rel_grad else None, None)
+    return gradients(
+        FORWARD, q=dq, k=dk, v=dv, bias=dbias if bias_grad else None,
+        rel_bias=drel if rel_grad else None,
+    )  # fmt: skip
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -599,6 +603,7 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="attention",
+    family="attention",
     forward=torch.ops.seqfast.attention.default,
     backward=(torch.ops.seqfast.attention_backward.default,),
     reference=reference.forward,

@@ -20,7 +20,7 @@ import triton
 from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import samples_loss
-from seqcompile.ops.fused_op import FusedOp, InPlace
+from seqcompile.ops.fused_op import Call, FusedOp, InPlace, gradients, named, needs_grad
 
 Tensor = torch.Tensor
 MAX_BLOCK_V = 4096
@@ -170,7 +170,9 @@ def cross_entropy(
 
 
 @cross_entropy.register_fake
-def _(logits, target, ignore_index, smoothing):
+@named(torch.ops.seqfast.cross_entropy.default)
+def _(call: Call):
+    logits = call["logits"]
     m = logits.shape[0]
     return logits.new_empty((m,), dtype=torch.float32), logits.new_empty((m,), dtype=torch.float32)
 
@@ -202,8 +204,9 @@ def cross_entropy_backward(
 
 
 @cross_entropy_backward.register_fake
-def _(grad, logits, target, lse, ignore_index, smoothing):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+@named(torch.ops.seqfast.cross_entropy_backward.default)
+def _(call: Call):
+    return torch.empty_like(call["logits"], memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("seqfast::cross_entropy_backward_in_place", mutates_args=("logits",))
@@ -218,20 +221,24 @@ def cross_entropy_backward_in_place(
         logits.copy_(cross_entropy_backward(grad, logits, target, lse, ignore_index, smoothing))
 
 
+FORWARD = torch.ops.seqfast.cross_entropy.default
+
+
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, smoothing = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(logits, target, output[1])
-    ctx.config = (ignore_index, smoothing)
+    call = Call(FORWARD, inputs, {})
+    _loss, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(call["logits"], call["target"], lse)
+    ctx.config = dict(ignore_index=call["ignore_index"], smoothing=call["smoothing"])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_loss, _grad_lse):
-    if grad_loss is None or not ctx.needs_input_grad[0]:
-        return None, None, None, None
+    if grad_loss is None or not needs_grad(ctx, FORWARD, "logits"):
+        return gradients(FORWARD)
     logits, target, lse = ctx.saved_tensors
-    dlogits = torch.ops.seqfast.cross_entropy_backward(grad_loss, logits, target, lse, *ctx.config)
-    return dlogits, None, None, None
+    dlogits = torch.ops.seqfast.cross_entropy_backward(grad_loss, logits, target, lse, **ctx.config)
+    return gradients(FORWARD, logits=dlogits)
 
 
 cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -239,6 +246,7 @@ cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="cross_entropy",
+    family="loss",
     forward=torch.ops.seqfast.cross_entropy.default,
     backward=(torch.ops.seqfast.cross_entropy_backward.default,),
     reference=reference_rows,

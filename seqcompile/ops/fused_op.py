@@ -1,16 +1,18 @@
 """What the compiler knows about one fused operator, declared once: `FusedOp` is a registry entry
-(its forward and backward ops, the kernels each launches, its cost, what its backward keeps, its
-workspace, its in-place twin, its gradient-accumulation hook and its sample inputs), and `Call`
-reads a graph node of one of its ops by argument name. Every stage asks the entry (through
-`ops/registry.py`) and reads arguments through `Call`; nothing indexes a fused op's positional
-arguments.
+(its family, forward and backward ops, reference, the kernels each launches, its cost, what its
+backward keeps, its workspace, its in-place twin, its gradient-accumulation hook and its sample
+inputs), and `Call` reads a call of one of its ops by argument name. Every stage asks the entry
+(through `ops/registry.py`), and every piece of an op's glue (fake implementation, autograd,
+launcher) reads arguments through `Call`, `named`, `needs_grad` and `gradients`; nothing indexes
+a fused op's positional arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.fx import Node
@@ -20,6 +22,7 @@ from seqcompile.fx_utils import tensor_val
 from seqcompile.ops.samples import Sample
 
 OpOverload = torch._ops.OpOverload
+R = TypeVar("R")
 
 
 class Call(Mapping[str, Any]):
@@ -76,13 +79,62 @@ def by_name(op: OpOverload, **arguments: Any) -> tuple:
     """`op`'s positional arguments from `arguments` given by the names in its schema (defaults
     filled in); a TypeError for a name it does not take or one it needs that is missing."""
     schema = op._schema.arguments
-    unknown = arguments.keys() - {a.name for a in schema}
-    if unknown:
-        raise TypeError(f"{op} has no argument {', '.join(sorted(unknown))}")
+    _check_names(op, arguments)
     missing = [a.name for a in schema if a.name not in arguments and not a.has_default_value()]
     if missing:
         raise TypeError(f"{op} needs the argument(s) {', '.join(missing)}")
     return tuple(arguments.get(a.name, a.default_value) for a in schema)
+
+
+def gradients(op: OpOverload, **grads: Any) -> tuple:
+    """What `op`'s autograd backward returns: the gradient of each argument named in `grads`, in
+    the schema's order, None for every other (a list of tensors takes a list, of Nones where it
+    has none)."""
+    _check_names(op, grads)
+    return tuple(grads.get(a.name) for a in op._schema.arguments)
+
+
+def needs_grad(ctx: Any, op: OpOverload, name: str, inputs: tuple | None = None) -> Any:
+    """Whether autograd wants the gradient of `op`'s argument `name` (a list of flags for a list
+    of tensors). In `setup_context` pass the call's `inputs`: there autograd gives one flag per
+    tensor of a list argument, which this regroups by argument."""
+    flags = ctx.needs_input_grad
+    if inputs is not None:
+        flat = iter(flags)
+        flags = [[next(flat) for _ in v] if _is_tensor_list(v) else next(flat) for v in inputs]
+    return flags[_position(op, name)]
+
+
+def named(op: OpOverload) -> Callable[[Callable[[Call], R]], Callable[..., R]]:
+    """A function of a `Call` of `op` as one of `op`'s arguments, positional or by keyword, as the
+    dispatcher passes them (a fake implementation, say)."""
+
+    def wrap(fn: Callable[[Call], R]) -> Callable[..., R]:
+        @functools.wraps(fn)
+        def called(*args: Any, **kwargs: Any) -> R:
+            return fn(Call(op, args, kwargs))
+
+        return called
+
+    return wrap
+
+
+def _check_names(op: OpOverload, arguments: Mapping[str, Any]) -> None:
+    unknown = arguments.keys() - {a.name for a in op._schema.arguments}
+    if unknown:
+        raise TypeError(f"{op} has no argument {', '.join(sorted(unknown))}")
+
+
+def _position(op: OpOverload, name: str) -> int:
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            return i
+    raise TypeError(f"{op} has no argument {name}")
+
+
+def _is_tensor_list(value: Any) -> bool:
+    """A list autograd flattens into its tensors (as `torch.library` does: lists, not tuples)."""
+    return isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value)
 
 
 def _value(arg: Any) -> Any:
@@ -112,6 +164,9 @@ class FusedOp:
 
     name: str
     """Its readable name, the stem of its ops and the label of its kernels in the report."""
+    family: str
+    """The pattern family that makes it (`attention`, `norm`, `loss` or `pointwise`): the key its
+    sites are counted under in the report."""
     forward: OpOverload
     """The op the fuse stage inserts (a `torch.library` custom op): its fake implementation
     runs at compile time, its kernels on CUDA and under the interpreter."""
@@ -121,7 +176,13 @@ class FusedOp:
     """For the forward op and each backward op: the kernels a call of it launches, at the
     traced sizes (the same function its launcher uses, so the compile and the run agree)."""
     saves: str
-    """What the forward keeps for the backward, in words (the op's autograd saves it)."""
+    """What the forward keeps for the backward, in words (the op's autograd saves it); the
+    report says it for each operator a compile launches."""
+    samples: Callable[[], Iterable[Sample]]
+    """The forward's sample inputs, each with the eager composition that defines its answer
+    (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
+    `tests/ops/test_samples.py` runs each in every layout on every path, and the reference on
+    each."""
     backward: tuple[OpOverload, ...] = ()
     """The ops its backward graph calls."""
     flops: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)
@@ -139,10 +200,6 @@ class FusedOp:
     describe: Callable[[Call], str | None] | None = None
     """What the report says about a forward call at the traced sizes, beyond its kernels (the
     masks attention computes or reads, and the blocks it skips)."""
-    samples: Callable[[], Iterable[Sample]] | None = None
-    """The forward's sample inputs, each with the eager composition that defines its answer
-    (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
-    `tests/ops/test_samples.py` runs each in every layout on every path."""
 
     def label_of(self, call: Call) -> str:
         named = self.label(call) if self.label is not None else None

@@ -26,9 +26,11 @@ import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import cross_entropy as ce
 from seqcompile.ops import samples_loss
-from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 
 Tensor = torch.Tensor
+GRADIENTS = ("hidden", "weight", "bias")
+"""The arguments whose gradients the forward computes, in the order of its `needs_grad` flags."""
 
 
 def default_chunk(rows: int) -> int:
@@ -43,17 +45,18 @@ def workspace_bytes(call: Call) -> int:
     `dlogits @ weight` (where the hidden states need a gradient), and the float32 weight and bias
     gradients before their cast."""
     hidden, weight, bias = (call.value(name) for name in ("hidden", "weight", "bias"))
-    compute_dtype, chunk, needs_grad = call["compute_dtype"], call["chunk"], call["needs_grad"]
+    compute_dtype, chunk = call["compute_dtype"], call["chunk"]
+    wants = _wanted(call)
     m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
     size = torch.empty((), dtype=compute_dtype).element_size()
     step = min(chunk if chunk > 0 else default_chunk(m), m)
-    total = step * (vocab + (d if needs_grad[0] else 0)) * size
+    total = step * (vocab + (d if wants["hidden"] else 0)) * size
     total += m * d * size if hidden.dtype != compute_dtype else 0
     total += vocab * d * size if weight.dtype != compute_dtype else 0
     total += vocab * size if bias is not None and bias.dtype != compute_dtype else 0
-    total += vocab * d * 4 if needs_grad[1] and weight.dtype != torch.float32 else 0
+    total += vocab * d * 4 if wants["weight"] and weight.dtype != torch.float32 else 0
     bias_dtype = bias.dtype if bias is not None else torch.float32
-    total += vocab * 4 if needs_grad[2] and bias_dtype != torch.float32 else 0
+    total += vocab * 4 if wants["bias"] and bias_dtype != torch.float32 else 0
     return total
 
 
@@ -61,8 +64,14 @@ def flops(call: Call) -> int:
     """The logits, then the hidden-state and weight gradients where they are wanted, all in the
     forward."""
     hidden, weight = call.value("hidden"), call.value("weight")
-    products = 1 + sum(call["needs_grad"][:2])
+    wants = _wanted(call)
+    products = 1 + wants["hidden"] + wants["weight"]
     return 2 * products * concrete(hidden.numel()) * concrete(weight.shape[0])
+
+
+def _wanted(call: Call) -> dict[str, bool]:
+    """Which gradients a call computes, by argument name."""
+    return dict(zip(GRADIENTS, call["needs_grad"], strict=True))
 
 
 def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
@@ -128,14 +137,16 @@ def linear_cross_entropy(
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, bias, target, ignore_index, smoothing, mean, chunk, compute_dtype, needs):
-    want_h, want_w, want_b = needs
+@named(torch.ops.seqfast.linear_cross_entropy.default)
+def _(call: Call):
+    hidden, weight, bias = (call[name] for name in GRADIENTS)
+    wants = _wanted(call)
     dbias_dtype = bias.dtype if bias is not None else torch.float32
     return (
         _empty(hidden, (), torch.float32),
-        _empty(hidden, hidden.shape if want_h else (0,), hidden.dtype),
-        _empty(weight, weight.shape if want_w else (0,), weight.dtype),
-        _empty(weight, (weight.shape[0],) if want_b else (0,), dbias_dtype),
+        _empty(hidden, hidden.shape if wants["hidden"] else (0,), hidden.dtype),
+        _empty(weight, weight.shape if wants["weight"] else (0,), weight.dtype),
+        _empty(weight, (weight.shape[0],) if wants["bias"] else (0,), dbias_dtype),
     )
 
 
@@ -148,31 +159,37 @@ def linear_cross_entropy_backward(
 
 
 @linear_cross_entropy_backward.register_fake
-def _(grad, dhidden, dweight, dbias):
-    return tuple(torch.empty_like(t) for t in (dhidden, dweight, dbias))
+@named(torch.ops.seqfast.linear_cross_entropy_backward.default)
+def _(call: Call):
+    return tuple(torch.empty_like(call[name]) for name in ("dhidden", "dweight", "dbias"))
+
+
+FORWARD = torch.ops.seqfast.linear_cross_entropy.default
 
 
 def _setup_context(ctx, inputs, output):
+    call = Call(FORWARD, inputs, {})
     _loss, dh, dw, db = output
     ctx.mark_non_differentiable(dh, dw, db)
     ctx.save_for_backward(dh, dw, db)
-    ctx.has_bias = inputs[2] is not None
-    ctx.computed = inputs[9]  # needs_grad: which of dh, dw, db the forward computed
+    ctx.has_bias = call["bias"] is not None
+    ctx.computed = _wanted(call)  # which of dh, dw, db the forward computed
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad, *_unused):
     if grad is None:
-        return (None,) * 10
+        return gradients(FORWARD)
     dh, dw, db = torch.ops.seqfast.linear_cross_entropy_backward(grad, *ctx.saved_tensors)
     # by the flags, not by size: with no tokens (or no classes) a computed gradient is empty,
     # and autograd wants it, empty, where the input requires grad
-    wanted = [ctx.needs_input_grad[i] and ctx.computed[i] for i in range(3)]
-    return (
-        dh if wanted[0] else None,
-        dw if wanted[1] else None,
-        db if ctx.has_bias and wanted[2] else None,
-    ) + (None,) * 7
+    wanted = {name: needs_grad(ctx, FORWARD, name) and ctx.computed[name] for name in GRADIENTS}
+    return gradients(
+        FORWARD,
+        hidden=dh if wanted["hidden"] else None,
+        weight=dw if wanted["weight"] else None,
+        bias=db if ctx.has_bias and wanted["bias"] else None,
+    )
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -203,6 +220,7 @@ def accumulate(graph: Graph, buffer: Node, call: Node, output: int) -> bool:
 
 ENTRY = FusedOp(
     name="linear_cross_entropy",
+    family="loss",
     forward=torch.ops.seqfast.linear_cross_entropy.default,
     backward=(torch.ops.seqfast.linear_cross_entropy_backward.default,),
     reference=linear_cross_entropy,

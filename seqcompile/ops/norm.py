@@ -25,7 +25,7 @@ from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import norm_reference as reference
 from seqcompile.ops import samples_norm
-from seqcompile.ops.fused_op import FusedOp
+from seqcompile.ops.fused_op import Call, FusedOp, gradients, named
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384
@@ -125,26 +125,24 @@ def add_norm(
     out_dtype: torch.dtype,
     sum_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    arguments = dict(locals())  # the schema's arguments by name (before any other local)
     if p > 0 and seed is None:
         raise ValueError("seqfast::add_norm: dropout p > 0 needs a seed tensor")
-    if runtime.use_kernels(x):
-        return forward_kernels(
-            x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
-        )
-    return reference.forward(
-        x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
-    )
+    impl = forward_kernels if runtime.use_kernels(x) else reference.forward
+    return impl(**arguments)
 
 
 @add_norm.register_fake
-def _(x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype):
-    out = x.new_empty(x.shape, dtype=out_dtype)
-    if reference.has_prologue(residual, branch_bias, p):
+@named(torch.ops.seqfast.add_norm.default)
+def _(call: Call):
+    x, sum_dtype = call["x"], call["sum_dtype"]
+    out = x.new_empty(x.shape, dtype=call["out_dtype"])
+    if reference.has_prologue(call["residual"], call["branch_bias"], call["p"]):
         total = x.new_empty(x.shape, dtype=sum_dtype)
     else:
         total = x.new_empty((0,), dtype=sum_dtype)
     rows = x.shape[:-1]
-    mean = x.new_empty((0,) if rms else rows, dtype=torch.float32)
+    mean = x.new_empty((0,) if call["rms"] else rows, dtype=torch.float32)
     return out, total, mean, x.new_empty(rows, dtype=torch.float32)
 
 
@@ -169,6 +167,7 @@ def _num_warps(block_n: int) -> int:
 def forward_kernels(
     x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
 ):
+    arguments = dict(locals())  # by the schema's names, for the kernel's flags
     n = x.shape[-1]
     x2 = _rows(x, "x")
     m = x2.shape[0]
@@ -181,8 +180,7 @@ def forward_kernels(
         mean.fill_(math.nan)
         rstd.fill_(math.nan)
     elif m > 0:
-        named = dict(residual=residual, branch_bias=branch_bias, weight=weight, bias=bias)
-        (spec,) = forward_kernels_of(dict(named, p=p, rms=rms))
+        (spec,) = forward_kernels_of(arguments)
         optional = (
             _rows(residual, "residual") if residual is not None else None,
             _vector(branch_bias, "branch_bias"),
@@ -233,29 +231,30 @@ def add_norm_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dresidual, dweight, dbias, dbranch_bias); absent ones are empty. `dresidual` is
     empty also when it would equal `dx` (no dropout, same dtype)."""
+    arguments = dict(locals())  # the schema's arguments by name (before any other local)
     impl = backward_kernels if runtime.use_kernels(saved) else reference.backward
-    return impl(
-        grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-        residual_dtype, bias_dtype, branch_bias_dtype,
-    )  # fmt: skip
+    return impl(**arguments)
 
 
 @add_norm_backward.register_fake
-def _(grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-      residual_dtype, bias_dtype, branch_bias_dtype):  # fmt: skip
-    shapes = reference.grad_shapes(
-        saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p
-    )
-    return tuple(saved.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
+@named(torch.ops.seqfast.add_norm_backward.default)
+def _(call: Call):
+    saved = call["saved"]
+    return tuple(saved.new_empty(shape, dtype=dtype) for shape, dtype in _grad_shapes(call))
+
+
+def _grad_shapes(call: Mapping[str, Any]) -> list:
+    """The shape and dtype of each gradient an `add_norm_backward` call returns."""
+    names = ("saved", "weight", "x_dtype", "residual_dtype", "bias_dtype", "branch_bias_dtype", "p")
+    return reference.grad_shapes(**{name: call[name] for name in names})
 
 
 def backward_kernels(
     grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
     residual_dtype, bias_dtype, branch_bias_dtype,
 ):  # fmt: skip
-    shapes = reference.grad_shapes(
-        saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p
-    )
+    arguments = dict(locals())  # by the schema's names, for the kernels' flags and sizes
+    shapes = _grad_shapes(arguments)
     dx, dres, dweight, dbias, dbranch_bias = (
         runtime.empty(tuple(shape), dtype, saved.device) for shape, dtype in shapes
     )
@@ -270,18 +269,7 @@ def backward_kernels(
     residual_grad = dres.numel() > 0
     programs = min(m, runtime.program_cap(saved))
     partial = runtime.empty((len(params), programs, n), torch.float32, saved.device)
-    specs = backward_kernels_of(
-        dict(
-            grad_sum=grad_sum,
-            p=p,
-            rms=rms,
-            weight=weight,
-            x_dtype=x_dtype,
-            residual_dtype=residual_dtype,
-            bias_dtype=bias_dtype,
-            branch_bias_dtype=branch_bias_dtype,
-        )  # fmt: skip
-    )
+    specs = backward_kernels_of(arguments)
     optional_inputs = (
         _rows(grad_sum, "grad_sum") if grad_sum is not None else None,
         s2,
@@ -321,48 +309,56 @@ def backward_kernels(
 # autograd
 
 
+FORWARD = torch.ops.seqfast.add_norm.default
+
+
 def _setup_context(ctx, inputs, output):
-    x, residual, branch_bias, weight, bias, seed, stream, p, _eps, rms, _out, _sum_dtype = inputs
-    _out_tensor, total, mean, rstd = output
-    prologue = reference.has_prologue(residual, branch_bias, p)
+    call = Call(FORWARD, inputs, {})
+    _out, total, mean, rstd = output
+    prologue = reference.has_prologue(call["residual"], call["branch_bias"], call["p"])
     ctx.mark_non_differentiable(mean, rstd)
     if not prologue:
         ctx.mark_non_differentiable(total)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(total if prologue else x, mean, rstd, weight, seed)
-    ctx.config = (
-        stream,
-        p,
-        rms,
-        x.dtype,
-        residual.dtype if residual is not None else None,
-        bias.dtype if bias is not None else None,
-        branch_bias.dtype if branch_bias is not None else None,
+    ctx.save_for_backward(
+        total if prologue else call["x"], mean, rstd, call["weight"], call["seed"]
     )
+    ctx.config = dict(
+        stream=call["stream"],
+        p=call["p"],
+        rms=call["rms"],
+        x_dtype=call["x"].dtype,
+        **{f"{name}_dtype": _dtype(call[name]) for name in ("residual", "bias", "branch_bias")},
+    )
+
+
+def _dtype(t: Tensor | None) -> torch.dtype | None:
+    return t.dtype if t is not None else None
 
 
 def _backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
     saved, mean, rstd, weight, seed = ctx.saved_tensors
-    stream, p, rms, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype = ctx.config
+    config = ctx.config
     if grad_out is None and grad_sum is None:
-        return (None,) * 12
+        return gradients(FORWARD)
     if grad_out is None:
         grad_out = torch.zeros_like(saved)
     dx, dres, dweight, dbias, dbranch_bias = torch.ops.seqfast.add_norm_backward(
-        grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-        residual_dtype, bias_dtype, branch_bias_dtype,
-    )  # fmt: skip
+        grad_out, grad_sum, saved, mean, rstd, weight, seed, **config
+    )
+    p, x_dtype, residual_dtype = config["p"], config["x_dtype"], config["residual_dtype"]
     if residual_dtype is None:
         dresidual = None
     else:
         dresidual = dres if reference.needs_residual_grad(p, x_dtype, residual_dtype) else dx
-    return (
-        dx,
-        dresidual,
-        dbranch_bias if branch_bias_dtype is not None else None,
-        dweight if weight is not None else None,
-        dbias if bias_dtype is not None else None,
-    ) + (None,) * 7
+    return gradients(
+        FORWARD,
+        x=dx,
+        residual=dresidual,
+        branch_bias=dbranch_bias if config["branch_bias_dtype"] is not None else None,
+        weight=dweight if weight is not None else None,
+        bias=dbias if config["bias_dtype"] is not None else None,
+    )
 
 
 add_norm.register_autograd(_backward, setup_context=_setup_context)
@@ -370,6 +366,7 @@ add_norm.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="add_norm",
+    family="norm",
     forward=torch.ops.seqfast.add_norm.default,
     backward=(torch.ops.seqfast.add_norm_backward.default,),
     reference=reference.forward,

@@ -24,7 +24,7 @@ from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops import samples_pointwise
-from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.ops.random import keep_mask
 
 Tensor = torch.Tensor
@@ -255,10 +255,12 @@ def reference(inputs: list[Tensor], seed: Tensor | None, stream: int, region: st
 
 
 @pointwise.register_fake
-def _(inputs, seed, stream, region):
-    shape = _shape(inputs)
-    dtypes = regions.output_dtypes(regions.lookup(region), [t.dtype for t in inputs])
-    return [inputs[0].new_empty(shape, dtype=d) for d in dtypes]
+@named(torch.ops.seqfast.pointwise.default)
+def _(call: Call):
+    tensors = call["inputs"]
+    shape = _shape(tensors)
+    dtypes = regions.output_dtypes(regions.lookup(call["region"]), [t.dtype for t in tensors])
+    return [tensors[0].new_empty(shape, dtype=d) for d in dtypes]
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,8 +326,10 @@ def _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dt
 
 
 @pointwise_backward.register_fake
-def _(saved, grads, seed, stream, region, needs_grad, grad_terms, written, dtypes):
-    return [grads[0].new_empty(grads[0].shape, dtype=DTYPE_CODES[c]) for c in dtypes]
+@named(torch.ops.seqfast.pointwise_backward.default)
+def _(call: Call):
+    first = call["grads"][0]
+    return [first.new_empty(first.shape, dtype=DTYPE_CODES[c]) for c in call["dtypes"]]
 
 
 DTYPE_CODES = (
@@ -339,15 +343,20 @@ DTYPE_CODES = (
 # autograd
 
 
+FORWARD = torch.ops.seqfast.pointwise.default
+
+
 def _setup_context(ctx, inputs, output):
-    tensors, seed, stream, region = inputs
-    needs_grad = tuple(
-        bool(need) and t.dtype.is_floating_point
-        for need, t in zip(ctx.needs_input_grad[: len(tensors)], tensors, strict=True)
+    call = Call(FORWARD, inputs, {})
+    tensors, region = call["inputs"], call["region"]
+    flags = needs_grad(ctx, FORWARD, "inputs", inputs)
+    wanted = tuple(
+        bool(need) and t.dtype.is_floating_point for need, t in zip(flags, tensors, strict=True)
     )
-    ctx.config = (region, stream, needs_grad, [(t.shape, t.dtype) for t in tensors])
-    plan = regions.backward_plan(region, needs_grad, *_unfolded(len(output)))
-    ctx.save_for_backward(seed, *(t for t, keep in zip(tensors, plan.saved, strict=True) if keep))
+    ctx.config = (region, call["stream"], wanted, [(t.shape, t.dtype) for t in tensors])
+    plan = regions.backward_plan(region, wanted, *_unfolded(len(output)))
+    kept = (t for t, keep in zip(tensors, plan.saved, strict=True) if keep)
+    ctx.save_for_backward(call["seed"], *kept)
     ctx.set_materialize_grads(False)
 
 
@@ -357,7 +366,7 @@ def _backward(ctx, grads):
     grad_terms = tuple(int(g is not None) for g in grads)
     if not any(grad_terms) or not any(needs_grad):
         # autograd checks the structure: the tensor list takes a list of (absent) gradients
-        return [None] * len(metas), None, None, None
+        return gradients(FORWARD, inputs=[None] * len(metas))
     full_plan = regions.backward_plan(region, needs_grad, *_unfolded(len(grads)))
     plan = regions.backward_plan(region, needs_grad, grad_terms, (False,) * len(grads))
     kept = iter(saved_all)
@@ -379,7 +388,7 @@ def _backward(ctx, grads):
         if tuple(in_shape) != tuple(shape):
             grad = grad.sum_to_size(in_shape)
         result.append(grad.to(dtype))
-    return result, None, None, None
+    return gradients(FORWARD, inputs=result)
 
 
 def _computed_dtypes(plan, metas, shape) -> list[torch.dtype]:
@@ -397,6 +406,7 @@ pointwise.register_autograd(_backward, setup_context=_setup_context)
 
 ENTRY = FusedOp(
     name="pointwise",
+    family="pointwise",
     forward=torch.ops.seqfast.pointwise.default,
     backward=(torch.ops.seqfast.pointwise_backward.default,),
     reference=reference,

@@ -1,6 +1,7 @@
 """The registry of fused operators: one `FusedOp` entry per operator, declared next to the operator
 it describes. Every stage asks here what it needs to know about a fused op's call (its kernels,
-cost, workspace, in-place twin, accumulation hook) and reads the call's arguments by name."""
+cost, workspace, in-place twin, accumulation hook) and reads the call's arguments by name; the
+families, the report and the tests' and benchmarks' lists of operators are derived from here."""
 
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ ENTRIES: tuple[FusedOp, ...] = (
     pointwise.ENTRY,
 )
 _BY_OP = {op: entry for entry in ENTRIES for op in entry.ops}
+_BY_NAME = {entry.name: entry for entry in ENTRIES}
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(entry.family for entry in ENTRIES))
+"""The built-in pattern families, in the registry's order: the report's keys for their sites."""
+
+
+def entry_named(name: str) -> FusedOp:
+    """The entry called `name` (`add_norm`); a KeyError naming the entries for any other."""
+    if name not in _BY_NAME:
+        raise KeyError(f"no fused operator {name!r}; the registry has {', '.join(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def entries_of(family: str) -> tuple[FusedOp, ...]:
+    """The entries the pattern family `family` makes (none for a user pattern's name)."""
+    return tuple(entry for entry in ENTRIES if entry.family == family)
 
 
 def entry_of(target: Any) -> FusedOp | None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from seqcompile.ops import registry
 from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
 from seqcompile.patterns.loss import LossPattern
 from seqcompile.patterns.norm import NormPattern
 
-FAMILIES = ("attention", "norm", "loss", "pointwise")
-"""Report keys of the built-in families; user patterns may not take these names."""
+FAMILIES = registry.FAMILIES
+"""Report keys of the built-in families (those the registry's entries name); user patterns may
+not take these names."""
 
 
 def builtin_patterns() -> list[Pattern]:

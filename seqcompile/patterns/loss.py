@@ -31,11 +31,12 @@ from seqcompile.fx_utils import (
     site_name,
     tensor_val,
 )
+from seqcompile.ops import cross_entropy, linear_cross_entropy
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
 aten = torch.ops.aten
-FAMILY = "loss"
+FAMILY = cross_entropy.ENTRY.family
 _NONE, _MEAN, _SUM = 0, 1, 2
 _HALF = (torch.float16, torch.bfloat16)
 _TRANSPOSES = (aten.t.default, aten.numpy_T.default)
@@ -228,7 +229,7 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
             target = ctx.call(aten.reshape.default, target, [-1])
         if linear is None:
             fused = ctx.call_fused(
-                torch.ops.seqfast.cross_entropy.default,
+                cross_entropy.ENTRY.forward,
                 logits=_rows(ctx, loss),
                 target=target,
                 ignore_index=loss.ignore_index,
@@ -240,7 +241,7 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
             hidden = ctx.call(aten.reshape.default, linear.hidden, [-1, width])
             needs = [ctx.requires_grad(n) for n in (linear.hidden, linear.weight, linear.bias)]
             fused = ctx.call_fused(
-                torch.ops.seqfast.linear_cross_entropy.default,
+                linear_cross_entropy.ENTRY.forward,
                 hidden=hidden,
                 weight=linear.weight,
                 bias=linear.bias,
@@ -277,6 +278,6 @@ class LossPattern:
         linear = _read_linear(loss.logits) if loss.order is None else None
         why = _why_logits_stay(loss, linear) if linear is not None else None
         if why is not None:
-            ctx.report.missed.append(Missed(site_name(node), "linear_cross_entropy", why))
+            ctx.report.missed.append(Missed(site_name(node), linear_cross_entropy.ENTRY.name, why))
             linear = None
         return _rewrite(loss, linear)

@@ -35,7 +35,7 @@ from seqcompile.ops import norm as norm_op
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 
 aten = torch.ops.aten
-FAMILY = "norm"
+FAMILY = norm_op.ENTRY.family
 
 
 @dataclasses.dataclass
@@ -302,7 +302,7 @@ def _rewrite(
             sum_dtype = tensor_val(prologue.total or core.input).dtype
             eps = core.eps if core.eps is not None else torch.finfo(torch.float32).eps
             fused = ctx.call_fused(
-                torch.ops.seqfast.add_norm.default,
+                norm_op.ENTRY.forward,
                 x=x,
                 residual=prologue.residual,
                 branch_bias=prologue.branch_bias,

@@ -34,7 +34,7 @@ from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
 aten = torch.ops.aten
-FAMILY = "pointwise"
+FAMILY = pointwise_op.ENTRY.family
 _FOLDED_BIAS = "seqfast_folded_bias"
 """Node meta key on the add a linear's bias was moved into."""
 
@@ -406,7 +406,7 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
         graph = ctx.gm.graph
         with graph.inserting_before(first_read) if early else graph.inserting_after(last):
             call = ctx.call_fused(
-                torch.ops.seqfast.pointwise.default,
+                pointwise_op.ENTRY.forward,
                 inputs=inputs,
                 seed=seed,
                 stream=stream,

@@ -123,7 +123,6 @@ def randomized(g, module):
 
 DTYPES = {t: str(t) for t in (torch.float32, torch.bfloat16, torch.float16)}
 LAYOUTS = ["contiguous"] * 4 + ["transposed", "sliced", "offset"]
-FAMILIES = ("attention", "norm", "pointwise", "loss")
 LOOSENESS = [torch.float32, torch.float16, torch.bfloat16]
 TARGET_VIEWS = {
     "stepped": "{}[::2]",

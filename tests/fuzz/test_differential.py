@@ -18,7 +18,8 @@ import pytest
 import torch
 from conftest import TOLERANCES
 
-from fuzz.programs import FAMILIES, Program, generate
+from fuzz.programs import Program, generate
+from seqcompile.ops.registry import FAMILIES
 from seqcompile.report import collecting
 
 DEFAULT_SEEDS = range(58)
@@ -358,6 +359,13 @@ def programs_drawing(seeds: range) -> Counter[str]:
         programs.update(set(generate(seed).kinds))
     assert not programs.keys() - set(KINDS), "a kind missing from KINDS"
     return programs
+
+
+def test_default_seeds_promise_every_family_of_the_registry():
+    """The fuzzer checks the families the registry's operators are made by (`FAMILIES`): its
+    default seeds promise a site of each, and nothing else."""
+    promised = {family for seed in DEFAULT_SEEDS for family in generate(seed).promised}
+    assert promised == set(FAMILIES)
 
 
 def test_default_seeds_draw_every_generator():

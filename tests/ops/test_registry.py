@@ -2,19 +2,27 @@
 fused call launches, its FLOPs, its workspace, its in-place twin, its accumulation hook) is read
 from one entry, and the stages agree with it."""
 
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from checks import TINY_GPT, tiny_gpt_batch
+from codegen.test_hopper_compile import KERNELS_COMPILED
+from fuzz.test_differential import FAMILIES as FUZZED_FAMILIES
+from test_gpu import KERNEL_TESTS
 
 import seqcompile.backend as backend
+from benchmarks import KERNEL_BENCHMARKS
 from seqcompile.codegen import counting_launches
 from seqcompile.demo import GPT
 from seqcompile.memory.cost import node_cost
 from seqcompile.memory.liveness import step_memory
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
+from seqcompile.patterns import FAMILIES, builtin_patterns
 from seqcompile.report import collecting
 
 
@@ -201,3 +209,52 @@ def test_every_entry_names_its_ops_and_kernels():
         assert entry.saves and entry.reference is not None
         assert entry.samples is not None, f"{entry.name} declares no sample inputs"
     assert registry.entry_of(torch.ops.aten.add.Tensor) is None
+
+
+def test_every_entry_is_a_whole_definition():
+    """Family, samples, reference, kernels and saves: what the stages, the report and the tests
+    read from an entry, declared by each."""
+    for entry in registry.ENTRIES:
+        assert entry.family in ("attention", "norm", "loss", "pointwise"), entry.name
+        assert list(entry.samples()), f"{entry.name} declares no sample inputs"
+        assert callable(entry.reference) and entry.kernels and entry.saves, entry.name
+        assert registry.entry_named(entry.name) is entry
+        assert entry in registry.entries_of(entry.family)
+    with pytest.raises(KeyError, match="add_norm"):
+        registry.entry_named("layer_norm")
+
+
+def test_the_families_and_the_operator_lists_are_the_registrys():
+    """The report's families, the patterns', the fuzzer's, and the operators the Hopper
+    compile, the GPU tests and the benchmarks cover are the registry's: a new entry fails here
+    until each covers it."""
+    names = {entry.name for entry in registry.ENTRIES}
+    assert FAMILIES == FUZZED_FAMILIES == registry.FAMILIES
+    assert {pattern.family for pattern in builtin_patterns()} < set(registry.FAMILIES)
+    assert set(KERNELS_COMPILED) == set(KERNEL_TESTS) == set(KERNEL_BENCHMARKS) == names
+
+
+def test_every_entry_runs_its_reference_on_cpu(monkeypatch):
+    """`FusedOp.reference` is what the op runs on CPU tensors (for linear + cross-entropy, the
+    op itself, whose chunks run the cross-entropy's reference)."""
+    for entry in registry.ENTRIES:
+        if getattr(entry.reference, "_opoverload", None) is entry.forward:
+            continue
+        calls = []
+        module = inspect.getmodule(entry.reference)
+        name = entry.reference.__name__
+
+        def spy(*args, reference=entry.reference, calls=calls, **kwargs):
+            calls.append(args)
+            return reference(*args, **kwargs)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(module, name, spy)
+            entry.forward(**next(iter(entry.samples())).args)
+        assert calls, f"{entry.name}: the forward on CPU did not run {module.__name__}.{name}"
+
+
+def test_the_design_docs_registry_table_names_every_entry_and_its_family():
+    text = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    for entry in registry.ENTRIES:
+        assert f"| `{entry.name}` | {entry.family} |" in text, entry.name
