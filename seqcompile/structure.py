@@ -223,11 +223,11 @@ def _floating(value: Any) -> bool:
 
 
 def _check_fused_inputs(stage: str, gm: GraphModule) -> None:
-    from seqcompile.ops import pointwise_region
+    from seqcompile.ops import pointwise, pointwise_region
     from seqcompile.ops.fused_op import Call
 
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.seqfast.pointwise.default:
+        if node.op != "call_function" or node.target is not pointwise.ENTRY.forward:
             continue
         region = pointwise_region.lookup(Call.of(node)["region"])
         placeholders = [n for n in region.forward.graph.nodes if n.op == "placeholder"]

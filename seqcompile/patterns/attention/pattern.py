@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch.fx import Node
 
 from seqcompile.fx_utils import site_name
+from seqcompile.ops import attention as attention_op
 from seqcompile.patterns.attention.check import check
 from seqcompile.patterns.attention.claims import REFUTED, refutations
 from seqcompile.patterns.attention.read import read
@@ -14,7 +15,7 @@ from seqcompile.patterns.attention.rewrite import rewrite
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
-FAMILY = "attention"
+FAMILY = attention_op.ENTRY.family
 
 
 class AttentionPattern:

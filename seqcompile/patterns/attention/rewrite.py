@@ -9,6 +9,7 @@ import torch
 from torch.fx import Node
 
 from seqcompile.fx_utils import erase_unused, insert_getitem, is_call, tensor_val
+from seqcompile.ops import attention as attention_op
 from seqcompile.patterns.attention.readings import Site
 from seqcompile.patterns.attention.relative_bias import per_diagonal
 from seqcompile.patterns.engine import FuseContext, Rewrite
@@ -21,7 +22,7 @@ def rewrite(site: Site) -> Rewrite:
         out_val = tensor_val(site.out)
         with ctx.gm.graph.inserting_before(site.out):
             fused = ctx.call_fused(
-                torch.ops.seqfast.attention.default, **_arguments(ctx, site, out_val.device)
+                attention_op.ENTRY.forward, **_arguments(ctx, site, out_val.device)
             )
             out = insert_getitem(ctx.gm.graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
