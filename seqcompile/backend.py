@@ -3,18 +3,17 @@
     capture -> normalize -> fuse -> differentiate -> plan_memory -> lower
 
 each a function below. AOTAutograd drives the last three: `differentiate` hands it `plan_memory` as
-the partitioner and `lower` as the forward, backward and inference compiler.
+the partitioner, which returns a `Plan`, and `lower_forward` and `lower_backward`, which lower that
+plan's graphs, as the compilers (`Handoff` passes the plan from the one call to the others).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,25 +22,21 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
 from torch.fx.graph import _BoxedCodeGen
 
-import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
-import seqcompile.ops.cross_entropy  # noqa: F401  (registers torch.ops.seqfast.cross_entropy)
-import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers its op)
-import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
-import seqcompile.ops.pointwise  # noqa: F401  (registers torch.ops.seqfast.pointwise)
 from seqcompile import capture as capture_mod
-from seqcompile import dump, dump_folder, structure, verify
+from seqcompile import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
+from seqcompile.dump import GraphDump
 from seqcompile.fx_utils import has_symbols
-from seqcompile.memory import accumulate, in_place
-from seqcompile.memory.gradient_destination import GradientDestination, forward_choice
-from seqcompile.memory.passes import PASSES, Plan, checked_joint_passes, list_kernels
+from seqcompile.memory.passes import PASSES, Plan, plan_inference
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
 from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
-from seqcompile.report import CompileReport, KernelUse, Missed, publish
+from seqcompile.report import CompileReport, Missed, publish
+from seqcompile.run import retained_graph
+from seqcompile.run.gradient_destination import GradientDestination
 
 log = logging.getLogger("seqcompile")
 _graph_ids = itertools.count()
@@ -55,6 +50,7 @@ class GraphCompile:
     options: Options
     rest: str
     example_inputs: Sequence[Any]
+    dump: GraphDump
     fake_mode: Any = None
     fake_inputs: list[Any] = dataclasses.field(default_factory=list)
     report: CompileReport = dataclasses.field(default_factory=CompileReport)
@@ -64,62 +60,6 @@ class GraphCompile:
     """The sites the fuse stage fused: key to place in the source."""
     draws_random: bool = False
     """The captured graph draws random numbers (so `verify` cannot compare it with eager)."""
-    accumulation: accumulate.Accumulation | None = None
-    gradients_to_autograd: str | None = None
-    """With `accumulate_grads`: why the last forward call's backward must hand its gradients to
-    autograd (None: it may accumulate them into `.grad`)."""
-    _dumped: int = 0
-
-    @property
-    def dump_dir(self) -> Path | None:
-        if self.options.dump_dir is None:
-            return None
-        path = dump_folder.run_folder(self.options.dump_dir) / self.name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def dump(self, stage: str, gm: GraphModule | str) -> None:
-        """Write the graph after `stage` (or generated code) as readable Python, numbered in the
-        order written."""
-        if self.dump_dir is not None:
-            text = gm if isinstance(gm, str) else dump.graph_text(gm)
-            (self.dump_dir / f"{self._dumped:02d}_{stage}.py").write_text(text)
-            self._dumped += 1
-
-    def write_unfinished(self, error: BaseException) -> None:
-        """Say in `report.txt` that this compile stopped, and why: the dump holds the stages it
-        finished."""
-        if self.dump_dir is None:
-            return
-        why = f"{type(error).__name__}: {error}".rstrip(": ")
-        if isinstance(error, capture_mod.Uncompilable):
-            why += "\nThe graph runs as Dynamo captured it."
-        elif isinstance(error, torch._dynamo.exc.RestartAnalysis):
-            why += "\nDynamo traces the frame again and hands it over as the next graph."
-        (self.dump_dir / "report.txt").write_text(
-            f"{self.name} did not finish compiling; the files here are the stages it finished.\n"
-            f"{why}\n"
-        )
-        dump_folder.record(self.dump_dir.parent, self.name, "stopped: " + why.replace("\n", " "))
-
-    def write_report(self) -> None:
-        """Write `report.txt`, and each kernel the graphs launch headed with where they do."""
-        if self.dump_dir is not None:
-            kernels = self.dump_dir / "kernels"
-            kernels.mkdir(exist_ok=True)
-            uses: dict[str, list[KernelUse]] = {}
-            for use in self.report.kernels:
-                uses.setdefault(use.name, []).append(use)
-            for name, launched in uses.items():
-                (kernels / f"{name}.py").write_text(dump.kernel_file(launched))
-            for stale in kernels.glob("*.py"):  # launched by a compile `verify` replaced
-                if stale.stem not in uses:
-                    stale.unlink()
-            (self.dump_dir / "report.txt").write_text(str(self.report))
-            fused = ", ".join(f"{k} {n}" for k, n in sorted(self.report.counts.items()) if n > 0)
-            kernels = len({use.name for use in self.report.kernels})
-            summary = f"compiled: fused {fused or 'nothing'}; {kernels} kernel(s)"
-            dump_folder.record(self.dump_dir.parent, self.name, summary)
 
 
 def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:
@@ -167,19 +107,21 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
 
 
 def differentiate(gm: GraphModule, state: GraphCompile) -> Callable[..., Any]:
-    """Stage 4: AOTAutograd traces forward and backward; fused ops enter both as opaque calls."""
+    """Stage 4: AOTAutograd traces forward and backward; fused ops enter both as opaque calls. It
+    then calls stage 5 as its partitioner and stage 6 as its compilers (see `Handoff`)."""
     decompositions = None
     if state.rest == "inductor":
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
+    handoff = Handoff(state)
     return aot_module_simplified(
         gm,
         state.example_inputs,
-        fw_compiler=functools.partial(lower, state=state, kind="forward"),
-        bw_compiler=functools.partial(lower, state=state, kind="backward"),
-        inference_compiler=functools.partial(lower, state=state, kind="inference"),
-        partition_fn=functools.partial(plan_memory, state=state),
+        fw_compiler=handoff.lower_forward,
+        bw_compiler=handoff.lower_backward,
+        inference_compiler=handoff.lower_inference,
+        partition_fn=handoff.plan_memory,
         decompositions=decompositions,
     )
 
@@ -191,71 +133,87 @@ def plan_memory(
     state: GraphCompile,
     num_fwd_outputs: int,
     **kwargs: Any,
-) -> tuple[GraphModule, GraphModule]:
+) -> Plan:
     """Stage 5: the joint graph becomes the forward and backward graphs through `PASSES` (see
-    `memory/passes.py`), each dumped with its notes."""
-    state.dump("differentiate", joint)
+    `memory/passes.py`), each dumped with its notes; returns the plan stage 6 lowers."""
+    state.dump.stage("differentiate", joint)
     plan = Plan(joint, joint_inputs, num_fwd_outputs, kwargs)
     for name, run in PASSES:
         notes = run(plan, state)
-        if state.dump_dir is not None:
-            state.dump(f"plan_memory_{name}", dump.pass_text(name, notes, plan.graphs))
+        state.dump.plan_pass(name, notes, plan.graphs)
     state.report.variants += [f"{state.name}: {variant}" for variant in plan.variants]
-    return plan.forward, plan.backward
+    return plan
 
 
-def lower(
-    gm: GraphModule, example_inputs: Sequence[Any], *, state: GraphCompile, kind: str
+@dataclasses.dataclass
+class Handoff:
+    """AOTAutograd calls stage 5 as its partitioner, then stage 6 as the forward's compiler and,
+    at the first backward, the backward's: this hands the plan stage 5 returned to stage 6, and
+    with `accumulate_grads` the run-time `GradientDestination` the forward and backward calls
+    share. A graph with no backward goes to its compiler alone, through stage 5 first."""
+
+    state: GraphCompile
+    plan: Plan | None = None
+    destination: GradientDestination | None = None
+
+    def plan_memory(self, joint: GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        self.plan = plan_memory(joint, joint_inputs, state=self.state, **kwargs)
+        if (accumulation := self.plan.accumulation) is not None:
+            self.destination = GradientDestination(
+                self.state.name, accumulation.inputs, accumulation.arguments
+            )
+        return self.plan.forward, self.plan.backward
+
+    def lower_forward(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return lower_forward(gm, example_inputs, self.state, self.destination)
+
+    def lower_backward(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return lower_backward(gm, example_inputs, self.state, self.plan, self.destination)
+
+    def lower_inference(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return _executable(plan_inference(gm, self.state), example_inputs, self.state, "inference")
+
+
+def lower_forward(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    state: GraphCompile,
+    destination: GradientDestination | None,
 ) -> Callable[..., Any]:
-    """Stage 6: the graph becomes a callable; fused ops launch their kernels when called, and the
-    rest runs on the chosen executor. With `accumulate_grads`, the forward notes its parameters
-    and the backward is two: one adds the parameters' gradients into `.grad`, one returns them
-    (see `memory/gradient_destination.py`). A backward that writes over saved tensors
-    (`reuse_saved`) copies them first when autograd keeps the graph (`retain_graph=True`), so a
-    second backward works."""
-    if kind == "inference":
-        gm = checked_joint_passes("lower", gm, state)
-        list_kernels(gm, "inference", state)
-    if kind == "backward":
-        written = in_place.written_inputs(gm)  # before the executor, which may change `gm`
-        return in_place.keeping_saved(_lowered(gm, example_inputs, state, kind), written)
-    return _lowered(gm, example_inputs, state, kind)
+    """Stage 6 for the forward: the graph becomes a callable; fused ops launch their kernels when
+    called, and the rest runs on the chosen executor. With `accumulate_grads`, each call notes
+    where its backward puts the gradients (`run/gradient_destination.py`)."""
+    run = _executable(gm, example_inputs, state, "forward")
+    return run if destination is None else destination.forward(run)
 
 
-def _lowered(
-    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
+def lower_backward(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    state: GraphCompile,
+    plan: Plan,
+    destination: GradientDestination | None,
 ) -> Callable[..., Any]:
-    """`gm` as a boxed callable (see `lower`)."""
-    plan = state.accumulation
-    if plan is None or kind == "inference":
-        return _executable(gm, example_inputs, state, kind)
-    if kind == "forward":
-        run = _executable(gm, example_inputs, state, kind)
-
-        def forward(args: list[Any]) -> Any:
-            state.gradients_to_autograd = forward_choice([args[i] for i in plan.inputs])
-            return run(args)
-
-        forward._boxed_call = True  # type: ignore[attr-defined]
-        return forward
-    received = len(list(plan.returning.graph.find_nodes(op="placeholder")))
-    return GradientDestination(
-        state.name,
-        accumulating=_executable(gm, example_inputs, state, kind),
+    """Stage 6 for the backward, as for the forward. With `accumulate_grads` it is two: one adds
+    the parameters' gradients into `.grad`, one returns them, chosen per call. One whose in-place
+    twins write over saved tensors (`reuse_saved`) copies them first where autograd keeps the
+    graph (`retain_graph=True`, `run/retained_graph.py`), so a second backward works."""
+    written = retained_graph.written_inputs(gm)  # before the executor, which may change `gm`
+    run = _executable(gm, example_inputs, state, "backward")
+    if destination is not None:
+        returning = plan.accumulation.returning
+        received = len(list(returning.graph.find_nodes(op="placeholder")))
         # made now, inside AOTAutograd's compile contexts, as Inductor needs
-        returning=_executable(
-            plan.returning, example_inputs[:received], state, "backward_returning"
-        ),
-        arguments=plan.arguments,
-        from_forward=lambda: state.gradients_to_autograd,
-    )
+        returned = _executable(returning, example_inputs[:received], state, "backward_returning")
+        run = destination.backward(run, returned)
+    return retained_graph.keeping_saved(run, written)
 
 
 def _executable(
     gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
 ) -> Callable[[list[Any]], Any]:
     """`gm` on the chosen executor, called the boxed way."""
-    state.dump(f"lower_{kind}", gm)
+    state.dump.stage(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
@@ -267,7 +225,7 @@ def _executable(
         )
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
-            state.dump(f"lower_{kind}_inductor_code", source)
+            state.dump.stage(f"lower_{kind}_inductor_code", source)
         return compiled
     return _boxed(gm)
 
@@ -287,7 +245,7 @@ def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
 
 
 STAGES = (capture, normalize, fuse)
-"""The graph-to-graph stages; `differentiate` then drives `plan_memory` and `lower`."""
+"""The graph-to-graph stages; `differentiate` then drives `plan_memory` and the `lower_*`."""
 
 
 class _PassThroughOptionError(ShortenTraceback, OptionError):
@@ -338,7 +296,7 @@ def seqfast(
         compiled = _verify(gm, opts, compiled, state)
     _release(state)
     state.report.graphs.append(state.name)
-    state.write_report()
+    state.dump.report(state.report)
     publish(state.report)
     log.info("%s compiled:\n%s", state.name, state.report)
     return compiled
@@ -361,24 +319,26 @@ def _compile(
     name: str | None = None,
 ) -> tuple[Callable[..., Any], GraphCompile]:
     """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused."""
+    name = name or f"graph_{next(_graph_ids)}"
     state = GraphCompile(
-        name=name or f"graph_{next(_graph_ids)}",
+        name=name,
         options=opts,
         rest=opts.rest or _default_rest(example_inputs),
         example_inputs=example_inputs,
+        dump=GraphDump(opts.dump_dir, name),
         fuse_only=fuse_only,
     )
-    state.dump("dynamo", gm)
-    dump.write_rerun(state.dump_dir, state.name, gm, example_inputs, opts)
+    state.dump.stage("dynamo", gm)
+    state.dump.rerun(gm, example_inputs, opts)
     shape = structure.signature(gm, meta_key="example_value")
     try:
         for stage in STAGES:
             gm = stage(gm, state)
-            state.dump(stage.__name__, gm)
+            state.dump.stage(stage.__name__, gm)
             shape = structure.check(stage.__name__, gm, shape)
         return differentiate(gm, state), state
     except BaseException as error:
-        state.write_unfinished(error)
+        state.dump.unfinished(error)
         raise
 
 
@@ -417,7 +377,7 @@ def _verify(
                 state.sites,
                 recompile,
                 args,
-                state.dump_dir,
+                state.dump.folder,
                 state.draws_random,
             )
             found = CompileReport(verified=[finding])
@@ -435,7 +395,7 @@ def _verify(
                 for site in finding.left_unfused
             ]
             state.report.merge(found)
-            state.write_report()
+            state.dump.report(state.report)
             publish(found)
             chosen.append(result)
         return chosen[0](*args)

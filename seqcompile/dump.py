@@ -1,5 +1,5 @@
-"""The dump folder's writers: graphs with fused-op calls by argument name, kernel files headed with
-this compile's provenance, and scripts that rebuild Dynamo's graph and run it (rerun, verify)."""
+"""The dump folder's writers: a graph's folder (`GraphDump`), graphs with fused-op calls by argument
+name, kernel files headed with this compile's provenance, scripts that rebuild and run a graph."""
 
 from __future__ import annotations
 
@@ -16,10 +16,88 @@ from torch._dynamo.debug_utils import NNModuleToString
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Graph, GraphModule
 
+from seqcompile import dump_folder
+from seqcompile.capture import Uncompilable
 from seqcompile.fx_utils import concrete, has_symbols
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
-from seqcompile.report import KernelUse
+from seqcompile.report import CompileReport, KernelUse
+
+
+@dataclasses.dataclass
+class GraphDump:
+    """One compiled graph's folder in the dump, `<run folder>/<name>` (see `dump_folder.py`), and
+    what the backend writes there; with no `dump_dir`, nothing."""
+
+    dump_dir: str | None
+    name: str
+    _written: int = 0
+
+    @property
+    def folder(self) -> Path | None:
+        if self.dump_dir is None:
+            return None
+        path = dump_folder.run_folder(self.dump_dir) / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def stage(self, stage: str, gm: GraphModule | str) -> None:
+        """Write the graph after `stage` (or generated code) as readable Python, numbered in the
+        order written."""
+        if (folder := self.folder) is not None:
+            text = gm if isinstance(gm, str) else graph_text(gm)
+            (folder / f"{self._written:02d}_{stage}.py").write_text(text)
+            self._written += 1
+
+    def plan_pass(self, name: str, notes: list[str], graphs: list[GraphModule]) -> None:
+        """Write the graphs after stage 5's pass `name`, headed by its notes."""
+        if self.dump_dir is not None:
+            self.stage(f"plan_memory_{name}", pass_text(name, notes, graphs))
+
+    def rerun(self, gm: GraphModule, inputs: Sequence[Any], options: Options) -> None:
+        """Write `rerun.py` for Dynamo's graph `gm` (see `write_rerun`)."""
+        write_rerun(self.folder, self.name, gm, inputs, options)
+
+    def unfinished(self, error: BaseException) -> None:
+        """Say in `report.txt` that this compile stopped, and why: the folder holds the stages it
+        finished."""
+        if (folder := self.folder) is None:
+            return
+        why = f"{type(error).__name__}: {error}".rstrip(": ")
+        if isinstance(error, Uncompilable):
+            why += "\nThe graph runs as Dynamo captured it."
+        elif isinstance(error, torch._dynamo.exc.RestartAnalysis):
+            why += "\nDynamo traces the frame again and hands it over as the next graph."
+        (folder / "report.txt").write_text(
+            f"{self.name} did not finish compiling; the files here are the stages it finished.\n"
+            f"{why}\n"
+        )
+        dump_folder.record(folder.parent, self.name, "stopped: " + why.replace("\n", " "))
+
+    def report(self, report: CompileReport) -> None:
+        """Write `report.txt`, and each kernel the graphs launch headed with where they do."""
+        if (folder := self.folder) is None:
+            return
+        _write_kernels(folder / "kernels", report.kernels)
+        (folder / "report.txt").write_text(str(report))
+        fused = ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items()) if n > 0)
+        kernels = len({use.name for use in report.kernels})
+        summary = f"compiled: fused {fused or 'nothing'}; {kernels} kernel(s)"
+        dump_folder.record(folder.parent, self.name, summary)
+
+
+def _write_kernels(folder: Path, launched: list[KernelUse]) -> None:
+    """A file per kernel in `launched`, and none for a kernel no longer launched (by a compile
+    `verify` replaced)."""
+    folder.mkdir(exist_ok=True)
+    uses: dict[str, list[KernelUse]] = {}
+    for use in launched:
+        uses.setdefault(use.name, []).append(use)
+    for name, kernel_uses in uses.items():
+        (folder / f"{name}.py").write_text(kernel_file(kernel_uses))
+    for stale in folder.glob("*.py"):
+        if stale.stem not in uses:
+            stale.unlink()
 
 
 def graph_text(gm: GraphModule) -> str:

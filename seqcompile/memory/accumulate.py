@@ -5,13 +5,13 @@ it, so a micro-batch allocates no weight-sized gradient and runs no separate acc
 The forward saves each such parameter for the backward (most are saved anyway, for the matmuls'
 input gradients), so a backward finds the `.grad`s of the parameters its own forward call ran with,
 even when one compiled graph serves several modules. The backward graph gets one more placeholder
-per parameter, its `.grad`, passed in at run time (see `gradient_destination.py`, which also keeps
-the backward as autograd traced it, for calls whose gradients must go through autograd). Where a
-gradient comes from, the accumulation goes in: a weight-gradient matmul becomes `addmm_` into
-`.grad`, a fused op's backward output goes through the op's accumulation hook in the registry (the
-linear + cross-entropy scales its finished weight gradient into it), an embedding's backward
-scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any other
-gradient (biases, norm weights) is computed and then added in place.
+per parameter, its `.grad`, passed in at run time; the backward as autograd traced it is kept
+beside, for calls whose gradients must go through autograd (`run/gradient_destination.py`
+chooses). Where a gradient comes from, the accumulation goes in: a weight-gradient matmul becomes
+`addmm_` into `.grad`, a fused op's backward output goes through the op's accumulation hook in the
+registry (the linear + cross-entropy scales its finished weight gradient into it), an embedding's
+backward scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any
+other gradient (biases, norm weights) is computed and then added in place.
 """
 
 from __future__ import annotations

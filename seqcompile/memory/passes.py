@@ -23,13 +23,13 @@ from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx_utils import fake_values, site_name
 from seqcompile.memory import accumulate, budget
 from seqcompile.memory.cost import node_cost, roofline_for, total_cost
+from seqcompile.memory.gradient_sums import fold_gradient_sums
 from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
 from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
-from seqcompile.patterns.gradient_sums import fold_gradient_sums
 from seqcompile.report import CompileReport, KernelUse, MemoryPlan
 
 log = logging.getLogger("seqcompile")
@@ -44,12 +44,12 @@ class Compile(Protocol):
     example_inputs: Any
     fake_mode: Any
     report: CompileReport
-    accumulation: accumulate.Accumulation | None
 
 
 @dataclasses.dataclass
 class Plan:
-    """The graphs stage 5 works on and what its passes found on the way."""
+    """The graphs stage 5 works on and what its passes found on the way; stage 5 returns it, and
+    stage 6 lowers its forward and backward (as AOTAutograd hands them over) with `accumulation`."""
 
     joint: GraphModule
     joint_inputs: Any
@@ -66,6 +66,9 @@ class Plan:
     variants: list[str] = dataclasses.field(default_factory=list)
     """Fused ops whose backward took another variant than the one autograd traced: the node
     and which variant."""
+    accumulation: accumulate.Accumulation | None = None
+    """With `accumulate_grads`: which parameters add their gradients into `.grad`, and the
+    backward that returns them instead."""
 
     @property
     def graphs(self) -> list[GraphModule]:
@@ -150,7 +153,7 @@ def accumulation(plan: Plan, state: Compile) -> list[str]:
     plan.signatures[0] = structure.signature(plan.forward, paths=False)
     if not accumulation.positions:
         return ["no parameter among the inputs has a gradient: nothing accumulates"]
-    state.accumulation = accumulation
+    plan.accumulation = accumulation
     hooked = [
         f"{name}: variant whose parameter gradients its accumulation hook adds into .grad"
         for name in accumulation.hooked
@@ -185,9 +188,9 @@ def memory_analysis(plan: Plan, state: Compile) -> list[str]:
     )
     list_kernels(plan.forward, "forward", state)
     list_kernels(plan.backward, "backward", state)
-    if state.accumulation is not None:  # what a call handing gradients to autograd adds
+    if plan.accumulation is not None:  # what a call handing gradients to autograd adds
         listed = {use.spec for use in state.report.kernels if use.graph == state.name}
-        list_kernels(state.accumulation.returning, "backward to autograd", state, listed)
+        list_kernels(plan.accumulation.returning, "backward to autograd", state, listed)
     return [f"kept for the backward: {step.kept_bytes} bytes; peak {step.peak_bytes} bytes"]
 
 
@@ -201,6 +204,14 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("memory_analysis", memory_analysis),
 )
 """Stage 5's passes in the order they run, by the name their dump file carries."""
+
+
+def plan_inference(gm: GraphModule, state: Compile) -> GraphModule:
+    """Stage 5 for a graph with no backward (AOTAutograd calls no partitioner for it): the
+    executor's joint passes, and the kernels it launches listed."""
+    gm = checked_joint_passes("plan_memory", gm, state)
+    list_kernels(gm, "inference", state)
+    return gm
 
 
 def list_kernels(

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
-from seqcompile.memory import in_place
 from seqcompile.report import collecting
+from seqcompile.run import retained_graph
 
 ROWS, VOCAB, WIDTH = 12, 50, 16
 LOGIT_BYTES = 4 * ROWS * VOCAB
@@ -71,8 +71,8 @@ def test_a_second_backward_through_the_graph_works(rest, monkeypatch):
     """With the graph retained the backward gives the in-place twin a copy of the saved logits,
     so the next backward finds them intact; the backward that frees the graph writes over them."""
     copied = []
-    copy = in_place._copy
-    monkeypatch.setattr(in_place, "_copy", lambda t: copied.append(tuple(t.shape)) or copy(t))
+    copy = retained_graph._copy
+    monkeypatch.setattr(retained_graph, "_copy", lambda t: copied.append(tuple(t.shape)) or copy(t))
     hidden, weight, target = inputs()
     with collecting() as report:
         loss, _ = torch.compile(loss_and_accuracy, backend="seqfast", options={"rest": rest})(

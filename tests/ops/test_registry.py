@@ -33,9 +33,9 @@ def _compiled_graphs(model, *inputs, options=None):
     original = backend.plan_memory
 
     def keep(*args, **kwargs):
-        forward, backward = original(*args, **kwargs)
-        graphs["forward"], graphs["backward"] = forward, backward
-        return forward, backward
+        plan = original(*args, **kwargs)
+        graphs["forward"], graphs["backward"] = plan.forward, plan.backward
+        return plan
 
     with pytest.MonkeyPatch.context() as patch, collecting() as report:
         patch.setattr(backend, "plan_memory", keep)

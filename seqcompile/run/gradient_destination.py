@@ -1,6 +1,5 @@
-"""Where a backward call of an `accumulate_grads` graph puts the parameters' gradients: added into
-their `.grad` (the accumulating backward), or handed to autograd (the backward as autograd traced
-it), chosen per call.
+"""Run time of an `accumulate_grads` graph: where each backward call puts the parameters' gradients,
+added into their `.grad` (the accumulating backward) or handed to autograd (the backward as traced).
 
 Autograd must get the gradients when something reads them on their way to `.grad`:
 - a gradient hook on a parameter (`register_hook`, `register_post_accumulate_grad_hook`);
@@ -114,41 +113,57 @@ def backward_choice(parameters: list[Tensor]) -> str | None:
 
 
 class GradientDestination:
-    """The boxed backward of an `accumulate_grads` graph: `accumulating` takes the backward's
-    inputs and each parameter's `.grad` after them (zeros created where there is none),
-    `returning` the same inputs without them; `arguments` says where the inputs hold the
-    parameters."""
+    """Where the backward calls of one compiled `accumulate_grads` graph put the parameters'
+    gradients. Each forward call notes what its wrappers decide (`forward`); each backward call
+    then runs `accumulating`, which takes the backward's inputs and each parameter's `.grad` after
+    them (zeros created where there is none), or `returning`, which takes the same inputs without
+    them (`backward`). `inputs` and `arguments` say where the forward's and the backward's inputs
+    hold the parameters."""
 
-    def __init__(
-        self,
-        graph: str,
-        accumulating: Callable[[list[Any]], Any],
-        returning: Callable[[list[Any]], Any],
-        arguments: tuple[int, ...],
-        from_forward: Callable[[], str | None],
-    ) -> None:
+    def __init__(self, graph: str, inputs: tuple[int, ...], arguments: tuple[int, ...]) -> None:
         self.graph = graph
-        self.accumulating = accumulating
-        self.returning = returning
+        self.inputs = inputs
         self.arguments = arguments
-        self.from_forward = from_forward
+        self.from_forward: str | None = None
         """Why the last forward call's backward must hand its gradients to autograd (see
         `forward_choice`)."""
         self._logged: set[str] = set()
-        self._boxed_call = True
 
-    def __call__(self, args: list[Any]) -> Any:
-        parameters = owners([args[i] for i in self.arguments])
-        reason = self.from_forward() or (
-            parameters if isinstance(parameters, str) else backward_choice(parameters)
-        )
-        if reason is not None:
-            if reason not in self._logged:
-                self._logged.add(reason)
-                log.info("%s: gradients go to autograd for this backward: %s", self.graph, reason)
-            return self.returning(args)
-        for p in parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        args.extend(p.grad for p in parameters)
-        return self.accumulating(args)
+    def forward(self, run: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """The boxed forward `run`, noting at each call what `forward_choice` says."""
+
+        def forward(args: list[Any]) -> Any:
+            self.from_forward = forward_choice([args[i] for i in self.inputs])
+            return run(args)
+
+        forward._boxed_call = True  # type: ignore[attr-defined]
+        return forward
+
+    def backward(
+        self, accumulating: Callable[[list[Any]], Any], returning: Callable[[list[Any]], Any]
+    ) -> Callable[[list[Any]], Any]:
+        """The boxed backward: each call runs `returning` where autograd must get the gradients,
+        `accumulating` where they may be added into `.grad`."""
+
+        def backward(args: list[Any]) -> Any:
+            parameters = owners([args[i] for i in self.arguments])
+            reason = self.from_forward or (
+                parameters if isinstance(parameters, str) else backward_choice(parameters)
+            )
+            if reason is not None:
+                self._log(reason)
+                return returning(args)
+            for p in parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            args.extend(p.grad for p in parameters)
+            return accumulating(args)
+
+        backward._boxed_call = True  # type: ignore[attr-defined]
+        return backward
+
+    def _log(self, reason: str) -> None:
+        """Say once per reason that gradients go to autograd."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("%s: gradients go to autograd for this backward: %s", self.graph, reason)

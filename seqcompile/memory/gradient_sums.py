@@ -1,4 +1,5 @@
-"""Folding autograd's gradient sums into the backward of pointwise regions.
+"""Stage 5's `gradient_sums` pass: autograd's gradient sums folded into the backward of pointwise
+regions.
 
 A value read twice (the residual stream feeds both the residual add and a projection) receives two
 gradients, and autograd adds them with `aten.add` before the region that produced the value reads
