@@ -62,8 +62,8 @@ def test_a_wrong_backward_is_found_left_unfused_reported_and_written_up(monkeypa
     without it (at symbolic sizes, as the compile was dynamic) gives eager's gradients at the
     first call's size and at another."""
 
-    def wrong_backward(*args):
-        return tuple(g * 2 for g in real_backward(*args))
+    def wrong_backward(*args, **kwargs):
+        return tuple(g * 2 for g in real_backward(*args, **kwargs))
 
     real_backward = norm_reference.backward
     torch.manual_seed(0)
