@@ -4,7 +4,7 @@
 `explain`, `plan_batch`, `memory_timeline`, `register_pattern` and `Options`.
 """
 
-from seqcompile import runtime as _runtime
+from seqcompile.run import runtime as _runtime
 
 _runtime.request_interpreter_if_asked()  # before anything below imports Triton
 

@@ -2,9 +2,12 @@
 
     capture -> normalize -> fuse -> differentiate -> plan_memory -> lower
 
-each a function below. AOTAutograd drives the last three: `differentiate` hands it `plan_memory` as
-the partitioner, which returns a `Plan`, and `lower_forward` and `lower_backward`, which lower that
-plan's graphs, as the compilers (`Handoff` passes the plan from the one call to the others).
+each a function below that takes the value the stage before returned: capture returns a `Captured`
+graph (with the fake mode and inputs it was traced at), normalize the same rewritten, fuse a `Fused`
+graph (with the sites it fused). AOTAutograd drives the last three: `differentiate` hands it
+`plan_memory` as the partitioner, which returns a `Plan`, and `lower_forward` and `lower_backward`,
+which lower that plan's graphs, as the compilers (`Handoff` passes the plan from the one call to the
+others). `GraphCompile` holds only what the stages are given, and the report they add notes to.
 """
 
 from __future__ import annotations
@@ -44,46 +47,61 @@ _graph_ids = itertools.count()
 
 @dataclasses.dataclass
 class GraphCompile:
-    """Everything one compile carries from stage to stage."""
+    """What one compile is given before its stages run, and the report they add notes to."""
 
     name: str
     options: Options
     rest: str
     example_inputs: Sequence[Any]
     dump: GraphDump
-    fake_mode: Any = None
-    fake_inputs: list[Any] = dataclasses.field(default_factory=list)
     report: CompileReport = dataclasses.field(default_factory=CompileReport)
     fuse_only: frozenset[str] | None = None
     """Keys of the sites the fuse stage may fuse (None: every site it can)."""
-    sites: dict[str, str] = dataclasses.field(default_factory=dict)
-    """The sites the fuse stage fused: key to place in the source."""
-    draws_random: bool = False
-    """The captured graph draws random numbers (so `verify` cannot compare it with eager)."""
 
 
-def capture(gm: GraphModule, state: GraphCompile) -> GraphModule:
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """What capture returns, and normalize after rewriting `gm`: the graph, the fake mode its
+    values live in, the inputs it was traced at, and whether it draws random numbers (so `verify`
+    cannot compare it with eager)."""
+
+    gm: GraphModule
+    fake_mode: Any
+    fake_inputs: list[Any]
+    draws_random: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused(Captured):
+    """What fuse returns: the captured graph with fused calls, and the sites it fused (key to
+    place in the source), which `verify` narrows."""
+
+    sites: dict[str, str]
+
+
+def capture(gm: GraphModule, state: GraphCompile) -> Captured:
     """Stage 1: pre-dispatch ATen under Dynamo's fake mode, symbolic sizes kept."""
-    state.fake_mode, state.fake_inputs = capture_mod.fake_inputs(state.example_inputs)
-    traced = capture_mod.trace_pre_dispatch(gm, state.fake_mode, state.fake_inputs)
-    state.draws_random = verify.draws_random_numbers(traced)
+    fake_mode, fake_inputs = capture_mod.fake_inputs(state.example_inputs)
+    traced = capture_mod.trace_pre_dispatch(gm, fake_mode, fake_inputs)
+    draws_random = verify.draws_random_numbers(traced)
     state.report.missed += traced.meta.pop("capture_notes")
-    return traced
+    return Captured(traced, fake_mode, fake_inputs, draws_random)
 
 
-def normalize(gm: GraphModule, state: GraphCompile) -> GraphModule:
+def normalize(captured: Captured, state: GraphCompile) -> Captured:
     """Stage 2: one spelling per idea."""
-    fired = normalize_graph(gm, state.fake_mode)
+    fired = normalize_graph(captured.gm, captured.fake_mode)
     log.debug("%s: normalization rules fired: %s", state.name, dict(fired))
-    return gm
+    return captured
 
 
-def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
+def fuse(captured: Captured, state: GraphCompile) -> Fused:
     """Stage 3: user patterns, then the built-in families, then the pointwise region fuser replace
     sub-graphs with seqfast ops and render their kernels; refusals go to the report."""
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in state.example_inputs
     )
+    gm = captured.gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     grad_inputs = frozenset(
         node
@@ -92,7 +110,7 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
     )
     ctx = FuseContext(
         gm,
-        state.fake_mode,
+        captured.fake_mode,
         state.report,
         training,
         grad_inputs,
@@ -102,11 +120,10 @@ def fuse(gm: GraphModule, state: GraphCompile) -> GraphModule:
     apply_user_patterns(ctx)
     run_patterns(builtin_patterns(), ctx)
     fuse_regions(ctx)
-    state.sites = ctx.sites
-    return gm
+    return Fused(gm, captured.fake_mode, captured.fake_inputs, captured.draws_random, ctx.sites)
 
 
-def differentiate(gm: GraphModule, state: GraphCompile) -> Callable[..., Any]:
+def differentiate(fused: Fused, state: GraphCompile) -> Callable[..., Any]:
     """Stage 4: AOTAutograd traces forward and backward; fused ops enter both as opaque calls. It
     then calls stage 5 as its partitioner and stage 6 as its compilers (see `Handoff`)."""
     decompositions = None
@@ -114,9 +131,9 @@ def differentiate(gm: GraphModule, state: GraphCompile) -> Callable[..., Any]:
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
-    handoff = Handoff(state)
+    handoff = Handoff(state, fused.fake_mode)
     return aot_module_simplified(
-        gm,
+        fused.gm,
         state.example_inputs,
         fw_compiler=handoff.lower_forward,
         bw_compiler=handoff.lower_backward,
@@ -131,13 +148,14 @@ def plan_memory(
     joint_inputs: Any,
     *,
     state: GraphCompile,
+    fake_mode: Any,
     num_fwd_outputs: int,
     **kwargs: Any,
 ) -> Plan:
     """Stage 5: the joint graph becomes the forward and backward graphs through `PASSES` (see
     `memory/passes.py`), each dumped with its notes; returns the plan stage 6 lowers."""
     state.dump.stage("differentiate", joint)
-    plan = Plan(joint, joint_inputs, num_fwd_outputs, kwargs)
+    plan = Plan(joint, joint_inputs, fake_mode, num_fwd_outputs, kwargs)
     for name, run in PASSES:
         notes = run(plan, state)
         state.dump.plan_pass(name, notes, plan.graphs)
@@ -150,14 +168,18 @@ class Handoff:
     """AOTAutograd calls stage 5 as its partitioner, then stage 6 as the forward's compiler and,
     at the first backward, the backward's: this hands the plan stage 5 returned to stage 6, and
     with `accumulate_grads` the run-time `GradientDestination` the forward and backward calls
-    share. A graph with no backward goes to its compiler alone, through stage 5 first."""
+    share. A graph with no backward goes to its compiler alone, through stage 5 first. Stage 5
+    works in `fake_mode`, the one capture traced the graph in."""
 
     state: GraphCompile
+    fake_mode: Any
     plan: Plan | None = None
     destination: GradientDestination | None = None
 
     def plan_memory(self, joint: GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
-        self.plan = plan_memory(joint, joint_inputs, state=self.state, **kwargs)
+        self.plan = plan_memory(
+            joint, joint_inputs, state=self.state, fake_mode=self.fake_mode, **kwargs
+        )
         if (accumulation := self.plan.accumulation) is not None:
             self.destination = GradientDestination(
                 self.state.name, accumulation.inputs, accumulation.arguments
@@ -171,7 +193,8 @@ class Handoff:
         return lower_backward(gm, example_inputs, self.state, self.plan, self.destination)
 
     def lower_inference(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return _executable(plan_inference(gm, self.state), example_inputs, self.state, "inference")
+        planned = plan_inference(gm, self.fake_mode, self.state)
+        return _executable(planned, example_inputs, self.state, "inference")
 
 
 def lower_forward(
@@ -245,7 +268,8 @@ def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
 
 
 STAGES = (capture, normalize, fuse)
-"""The graph-to-graph stages; `differentiate` then drives `plan_memory` and the `lower_*`."""
+"""The stages up to the fused graph, each taking the value the one before returned (capture takes
+Dynamo's graph); `differentiate` then drives `plan_memory` and the `lower_*`."""
 
 
 class _PassThroughOptionError(ShortenTraceback, OptionError):
@@ -289,11 +313,11 @@ def seqfast(
         return gm.forward
     name = f"graph_{next(_graph_ids)}"
     try:
-        compiled, state = _compile(gm, example_inputs, opts, name=name)
+        compiled, state, fused = _compile(gm, example_inputs, opts, name=name)
     except capture_mod.Uncompilable as reason:
         return _as_captured(gm, str(reason), name)
     if opts.verify:
-        compiled = _verify(gm, opts, compiled, state)
+        compiled = _verify(gm, opts, compiled, state, fused)
     _release(state)
     state.report.graphs.append(state.name)
     state.dump.report(state.report)
@@ -317,8 +341,9 @@ def _compile(
     opts: Options,
     fuse_only: frozenset[str] | None = None,
     name: str | None = None,
-) -> tuple[Callable[..., Any], GraphCompile]:
-    """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused."""
+) -> tuple[Callable[..., Any], GraphCompile, Fused]:
+    """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused. Returns the
+    compiled graph, what the compile was given (with its report) and what fuse returned."""
     name = name or f"graph_{next(_graph_ids)}"
     state = GraphCompile(
         name=name,
@@ -331,12 +356,13 @@ def _compile(
     state.dump.stage("dynamo", gm)
     state.dump.rerun(gm, example_inputs, opts)
     shape = structure.signature(gm, meta_key="example_value")
+    value: Any = gm
     try:
         for stage in STAGES:
-            gm = stage(gm, state)
-            state.dump.stage(stage.__name__, gm)
-            shape = structure.check(stage.__name__, gm, shape)
-        return differentiate(gm, state), state
+            value = stage(value, state)
+            state.dump.stage(stage.__name__, value.gm)
+            shape = structure.check(stage.__name__, value.gm, shape)
+        return differentiate(value, state), state, value
     except BaseException as error:
         state.dump.unfinished(error)
         raise
@@ -344,18 +370,23 @@ def _compile(
 
 def _release(state: GraphCompile) -> None:
     """The lazily compiled backward keeps `state` alive: drop the first call's inputs from it."""
-    state.example_inputs, state.fake_inputs = (), []
+    state.example_inputs = ()
 
 
 def _verify(
-    gm: GraphModule, opts: Options, compiled: Callable[..., Any], state: GraphCompile
+    gm: GraphModule,
+    opts: Options,
+    compiled: Callable[..., Any],
+    state: GraphCompile,
+    fused: Fused,
 ) -> Callable[..., Any]:
     """`compiled`, compared with Dynamo's graph on its first call's inputs; from then on it runs
-    without the fused sites that made them differ. What was found is published as a report of its
-    own and added to the dump's report."""
+    without the fused sites that made them differ (`fused`: what the fuse stage returned). What was
+    found is published as a report of its own and added to the dump's report."""
     quiet = dataclasses.replace(opts, dump_dir=None, verify=False)
     chosen: list[Callable[..., Any]] = []
-    symbolic = list(state.fake_inputs) if has_symbols(state.fake_inputs) else None
+    symbolic = list(fused.fake_inputs) if has_symbols(fused.fake_inputs) else None
+    sites, draws_random = fused.sites, fused.draws_random
 
     def run(*args: Any) -> Any:
         if not chosen:
@@ -363,22 +394,22 @@ def _verify(
 
             def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
                 # with dynamic shapes, at the symbolic sizes, so the result serves every size
-                again, again_state = _compile(
+                again, again_state, again_fused = _compile(
                     gm, symbolic or args, quiet, only, name=f"{state.name}_without_some_sites"
                 )
                 _release(again_state)
                 recompiled.append((again, again_state.report))
-                return again, again_state.sites
+                return again, again_fused.sites
 
             result, finding = verify.verified(
                 state.name,
                 gm,
                 compiled,
-                state.sites,
+                sites,
                 recompile,
                 args,
                 state.dump.folder,
-                state.draws_random,
+                draws_random,
             )
             found = CompileReport(verified=[finding])
             if result is not compiled:  # what runs now launches other kernels, or none

@@ -10,9 +10,9 @@ from typing import Any
 
 import jinja2
 
-from seqcompile import runtime
 from seqcompile.codegen.cache import KernelSource, ensure_file, import_source, text_digest
 from seqcompile.codegen.launches import CountedKernel
+from seqcompile.run import runtime
 
 _TEMPLATES = Path(__file__).parent / "templates"
 _env = jinja2.Environment(

@@ -36,13 +36,13 @@ log = logging.getLogger("seqcompile")
 
 
 class Compile(Protocol):
-    """What the passes read from the backend's per-graph state."""
+    """What the passes read of the compile they serve: what it was given, and the report they
+    add to."""
 
     name: str
     options: Options
     rest: str
     example_inputs: Any
-    fake_mode: Any
     report: CompileReport
 
 
@@ -53,6 +53,8 @@ class Plan:
 
     joint: GraphModule
     joint_inputs: Any
+    fake_mode: Any
+    """The fake mode the graphs' values live in (the one capture traced the graph in)."""
     num_fwd_outputs: int
     partition_args: dict[str, Any]
     forward: GraphModule | None = None
@@ -80,7 +82,7 @@ Pass = Callable[[Plan, Compile], list[str]]
 
 def joint_passes(plan: Plan, state: Compile) -> list[str]:
     """The executor's own passes over the joint graph."""
-    plan.joint = checked_joint_passes("differentiate", plan.joint, state)
+    plan.joint = checked_joint_passes("differentiate", plan.joint, plan.fake_mode, state)
     plan.joint_forward = {n.name for n in budget.forward_nodes(plan.joint)}
     return [] if state.rest != "inductor" else ["Inductor's joint-graph passes ran"]
 
@@ -186,11 +188,12 @@ def memory_analysis(plan: Plan, state: Compile) -> list[str]:
             seconds,
         )
     )
-    list_kernels(plan.forward, "forward", state)
-    list_kernels(plan.backward, "backward", state)
+    list_kernels(plan.forward, "forward", plan.fake_mode, state)
+    list_kernels(plan.backward, "backward", plan.fake_mode, state)
     if plan.accumulation is not None:  # what a call handing gradients to autograd adds
         listed = {use.spec for use in state.report.kernels if use.graph == state.name}
-        list_kernels(plan.accumulation.returning, "backward to autograd", state, listed)
+        returning = plan.accumulation.returning
+        list_kernels(returning, "backward to autograd", plan.fake_mode, state, listed)
     return [f"kept for the backward: {step.kept_bytes} bytes; peak {step.peak_bytes} bytes"]
 
 
@@ -206,16 +209,20 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 """Stage 5's passes in the order they run, by the name their dump file carries."""
 
 
-def plan_inference(gm: GraphModule, state: Compile) -> GraphModule:
+def plan_inference(gm: GraphModule, fake_mode: Any, state: Compile) -> GraphModule:
     """Stage 5 for a graph with no backward (AOTAutograd calls no partitioner for it): the
     executor's joint passes, and the kernels it launches listed."""
-    gm = checked_joint_passes("plan_memory", gm, state)
-    list_kernels(gm, "inference", state)
+    gm = checked_joint_passes("plan_memory", gm, fake_mode, state)
+    list_kernels(gm, "inference", fake_mode, state)
     return gm
 
 
 def list_kernels(
-    gm: GraphModule, direction: str, state: Compile, listed: Collection[KernelSpec] = ()
+    gm: GraphModule,
+    direction: str,
+    fake_mode: Any,
+    state: Compile,
+    listed: Collection[KernelSpec] = (),
 ) -> None:
     """Render the kernels the fused ops of `gm` launch and list them in the report, each with
     the node and source line it runs for (but those `listed` already)."""
@@ -223,7 +230,7 @@ def list_kernels(
         entry = registry.entry_of(node)
         if entry is None:
             continue
-        _give_values(node.all_input_nodes, state.fake_mode)
+        _give_values(node.all_input_nodes, fake_mode)
         call = Call.of(node)
         label = entry.label_of(call)
         if node.target is entry.forward and entry.describe is not None:
@@ -249,15 +256,17 @@ def _give_values(nodes: list[Node], fake_mode: Any) -> None:
                 node.meta["val"] = node.target(*fake_values(node.args), **fake_values(node.kwargs))
 
 
-def checked_joint_passes(stage: str, gm: GraphModule, state: Compile) -> GraphModule:
+def checked_joint_passes(
+    stage: str, gm: GraphModule, fake_mode: Any, state: Compile
+) -> GraphModule:
     """The executor's joint passes on AOTAutograd's graph, with the structural check after."""
     given = structure.signature(gm, paths=False)
-    gm = _executor_joint_passes(gm, state)
+    gm = _executor_joint_passes(gm, fake_mode, state)
     structure.check(stage, gm, given)
     return gm
 
 
-def _executor_joint_passes(gm: GraphModule, state: Compile) -> GraphModule:
+def _executor_joint_passes(gm: GraphModule, fake_mode: Any, state: Compile) -> GraphModule:
     """Inductor lowers a forward or backward graph only after its passes over the joint graph
     (random ops, for one, become its own seeded ops); they run here, where Inductor's own
     partitioner would run them."""
@@ -266,7 +275,7 @@ def _executor_joint_passes(gm: GraphModule, state: Compile) -> GraphModule:
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._inductor.virtualized import V
 
-    with V.set_fake_mode(state.fake_mode):
+    with V.set_fake_mode(fake_mode):
         return joint_graph_passes(gm) or gm
 
 

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 import triton
 
-from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_reference as reference
 from seqcompile.ops import samples_attention, score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
+from seqcompile.run import runtime
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import samples_loss
 from seqcompile.ops.fused_op import Call, FusedOp, InPlace, gradients, named, needs_grad
+from seqcompile.run import runtime
 
 Tensor = torch.Tensor
 MAX_BLOCK_V = 4096

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import triton
 
-from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import norm_reference as reference
 from seqcompile.ops import samples_norm
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named
+from seqcompile.run import runtime
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384

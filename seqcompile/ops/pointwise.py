@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from seqcompile import runtime
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
@@ -26,6 +25,7 @@ from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops import samples_pointwise
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.ops.random import keep_mask
+from seqcompile.run import runtime
 
 Tensor = torch.Tensor
 BLOCK = 1024

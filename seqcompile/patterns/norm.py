@@ -16,7 +16,6 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile import runtime
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
@@ -33,6 +32,7 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import norm as norm_op
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.run import runtime
 
 aten = torch.ops.aten
 FAMILY = norm_op.ENTRY.family

@@ -15,7 +15,6 @@ import numbers
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from seqcompile import runtime
 from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
 from seqcompile.fx_utils import (
@@ -32,6 +31,7 @@ from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
+from seqcompile.run import runtime
 
 aten = torch.ops.aten
 FAMILY = pointwise_op.ENTRY.family

@@ -61,10 +61,10 @@ REFERENCE_ON_CPU = textwrap.dedent(
 
     import pytest
 
-    import seqcompile.runtime
+    import seqcompile.run.runtime
 
     # the mutation: fused ops on CPU tensors run the reference, even under SEQFAST_INTERPRET=1
-    seqcompile.runtime.use_kernels = lambda tensor: tensor.device.type == "cuda"
+    seqcompile.run.runtime.use_kernels = lambda tensor: tensor.device.type == "cuda"
 
 
     class Record:

@@ -7,7 +7,7 @@ import textwrap
 
 import torch
 
-from seqcompile import runtime
+from seqcompile.run import runtime
 
 
 def test_cpu_tensors_use_the_reference_unless_interpreting(monkeypatch):
