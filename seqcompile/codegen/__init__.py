@@ -2,14 +2,23 @@
 modules that are imported from disk."""
 
 from seqcompile.codegen.cache import KernelSource
-from seqcompile.codegen.launches import LaunchCount, counting_launches
+from seqcompile.codegen.launches import (
+    Launch,
+    LaunchCount,
+    LaunchRecord,
+    counting_launches,
+    recording_launches,
+)
 from seqcompile.codegen.render import KernelSpec, kernel_function, prepare_kernel
 
 __all__ = [
     "KernelSource",
     "KernelSpec",
+    "Launch",
     "LaunchCount",
+    "LaunchRecord",
     "counting_launches",
     "kernel_function",
     "prepare_kernel",
+    "recording_launches",
 ]

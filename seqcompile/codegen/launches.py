@@ -1,19 +1,24 @@
 """Counts of generated-kernel launches while a `counting_launches()` block is open: how a test
-proves that the generated kernels ran rather than the reference implementation."""
+proves that the generated kernels ran rather than the reference implementation. While a
+`recording_launches()` block is open, each launch is also kept with what it passed, typed as
+Triton types it: what compiling that launch ahead of time for a GPU needs."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from seqcompile.codegen.render import KernelSpec
 
 _lock = threading.Lock()
-_open: list[LaunchCount] = []
+_open: list[LaunchCount | LaunchRecord] = []
+_Listener = TypeVar("_Listener", "LaunchCount", "LaunchRecord")
 
 
 class LaunchCount:
@@ -36,7 +41,7 @@ class LaunchCount:
         """Launches by generated file (its stem, `<template>_<hash>`)."""
         return self._total(lambda kernel: kernel.stem)
 
-    def add(self, kernel: CountedKernel) -> None:
+    def add(self, kernel: CountedKernel, args: tuple, kwargs: dict[str, Any]) -> None:
         with _lock:
             self._by_kernel[kernel] += 1
 
@@ -57,14 +62,81 @@ class LaunchCount:
 @contextlib.contextmanager
 def counting_launches() -> Iterator[LaunchCount]:
     """Count every generated kernel launched in this block (on any thread)."""
-    count = LaunchCount()
-    with _lock:
-        _open.append(count)
-    try:
+    with _opened(LaunchCount()) as count:
         yield count
+
+
+@contextlib.contextmanager
+def _opened(listener: _Listener) -> Iterator[_Listener]:
+    with _lock:
+        _open.append(listener)
+    try:
+        yield listener
     finally:
         with _lock:
-            _open.remove(count)
+            _open.remove(listener)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch of a generated kernel, as Triton's launcher specializes it: `signature` types
+    each argument of the function (`"*fp32"` for a float32 tensor, `"i32"`/`"i64"` for an int by
+    its value, `"fp32"` for a float, `"u1"` for a bool, `"constexpr"`), `constexprs` gives the
+    values compiled in (the `tl.constexpr` parameters, None, and ints equal to 1, which Triton
+    turns into constants), `aligned` names the arguments Triton assumes divisible by 16 (pointers
+    and ints), and `options` the compile options passed (`num_warps`, `num_stages`)."""
+
+    spec: KernelSpec
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    aligned: tuple[str, ...]
+    options: tuple[tuple[str, Any], ...]
+    arguments: dict[str, Any] = dataclasses.field(compare=False, repr=False)
+    """The values passed, by parameter name (tensors kept alive while the record is)."""
+
+    @classmethod
+    def of(
+        cls, spec: KernelSpec, arguments: dict[str, tuple[Any, bool]], options: dict[str, Any]
+    ) -> Launch:
+        """The launch of `spec` with `arguments` (each value with whether its parameter is a
+        `tl.constexpr`, as `CountedKernel.bind` gives them) and compile `options`."""
+        from triton._C.libtriton import native_specialize_impl  # Triton's own launcher's typing
+        from triton.backends.compiler import BaseBackend
+
+        signature, constexprs, aligned = {}, {}, []
+        for name, (value, constexpr) in arguments.items():
+            kind, attribute = (
+                ("constexpr", None)
+                if constexpr
+                else native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+            )
+            signature[name] = kind
+            if kind == "constexpr":
+                constexprs[name] = value
+            elif attribute == "D":
+                aligned.append(name)
+        values = {name: value for name, (value, _) in arguments.items()}
+        return cls(
+            spec, tuple(signature.items()), tuple(constexprs.items()), tuple(aligned),
+            tuple(sorted(options.items())), values,
+        )  # fmt: skip
+
+
+class LaunchRecord(list[Launch]):
+    """The launches made while open, in order (on any thread)."""
+
+    def add(self, kernel: CountedKernel, args: tuple, kwargs: dict[str, Any]) -> None:
+        launch = Launch.of(kernel.spec, *kernel.bind(args, kwargs))
+        with _lock:
+            self.append(launch)
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[LaunchRecord]:
+    """Record every generated kernel launched in this block, with its arguments and their Triton
+    types (`Launch`), as a list."""
+    with _opened(LaunchRecord()) as record:
+        yield record
 
 
 class CountedKernel:
@@ -85,7 +157,22 @@ class CountedKernel:
         def counted(*args: Any, **kwargs: Any) -> Any:
             result = launch(*args, **kwargs)
             for count in list(_open):
-                count.add(self)
+                count.add(self, args, kwargs)
             return result
 
         return counted
+
+    def bind(
+        self, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[dict[str, tuple[Any, bool]], dict[str, Any]]:
+        """A launch's arguments by parameter name, each with whether it is a `tl.constexpr`, and
+        the keywords that are not parameters (Triton's compile options)."""
+        parameters = inspect.signature(self.jit.fn).parameters
+        named = {k: v for k, v in kwargs.items() if k in parameters}
+        bound = inspect.Signature(list(parameters.values())).bind(*args, **named)
+        bound.apply_defaults()
+        arguments = {
+            name: (value, "constexpr" in str(parameters[name].annotation))
+            for name, value in bound.arguments.items()
+        }
+        return arguments, {k: v for k, v in kwargs.items() if k not in parameters}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import needs_interpreter
 
-from seqcompile.codegen import KernelSpec, counting_launches, kernel_function
+from seqcompile.codegen import KernelSpec, counting_launches, kernel_function, recording_launches
 from seqcompile.ops import norm
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -39,6 +39,26 @@ def test_launches_are_counted_per_kernel_while_a_count_is_open():
     (file,) = outer.files()
     assert file.startswith("column_sum_") and outer.files()[file] == 2
     assert outer.of("add_norm_fwd") == 0
+
+
+@needs_interpreter
+def test_a_recorded_launch_is_typed_as_tritons_launcher_types_it():
+    """Tensors by their dtype, ints by their value (1 a constant, as Triton specializes it), the
+    `tl.constexpr` parameters as constants, and the compile options apart."""
+    fn = kernel_function(norm.COLUMN_SUM)
+    partial, out = torch.zeros(2, 3, 4), torch.empty(2, 4)
+    with recording_launches() as record, counting_launches() as count:
+        fn[(1, 2)](partial, out, 3, 1, BLOCK_G=2, BLOCK_N=4, num_warps=2)
+    (launch,) = record
+    assert count.names() == {"column_sum": 1} and launch.spec == norm.COLUMN_SUM
+    assert dict(launch.signature) == {
+        "PARTIAL": "*fp32", "OUT": "*fp32", "G": "i32", "N": "constexpr",
+        "BLOCK_G": "constexpr", "BLOCK_N": "constexpr",
+    }  # fmt: skip
+    assert dict(launch.constexprs) == {"N": 1, "BLOCK_G": 2, "BLOCK_N": 4}
+    assert "PARTIAL" in launch.aligned and "G" not in launch.aligned
+    assert launch.options == (("num_warps", 2),)
+    assert launch.arguments["PARTIAL"] is partial
 
 
 def test_a_kernel_is_named_by_its_template_and_mode():
