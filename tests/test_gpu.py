@@ -148,15 +148,22 @@ def test_attention_kernels_match_the_reference(dtype, head_dim, features):
     bias = torch.randn(1, h, lq, lk, device=cuda, generator=g) if features["bias"] else None
     mask = torch.rand(b, 1, 1, lk, device=cuda, generator=g) > 0.2 if features["mask"] else None
     p, seed = features["p"], torch.tensor(77, device=cuda)
-    args = (q, k, v, bias, mask, seed, 3, p, head_dim**-0.5, features["causal"], -math.inf)
-    kernels = attention_op.forward_kernels(*args)
-    reference = attention_reference.forward(*args)
+    args = dict(
+        q=q, k=k, v=v, bias=bias, mask=mask, seed=seed, stream=3, p=p, scale=head_dim**-0.5,
+        causal=features["causal"], masked_value=-math.inf,
+    )  # fmt: skip
+    kernels = attention_op.forward_kernels(**args)
+    reference = attention_reference.forward(**args)
     for kernel, ref in zip(kernels, reference, strict=True):
         torch.testing.assert_close(kernel, ref, **TOLERANCES[kernel.dtype])
     grad_out = torch.randn_like(kernels[0])
-    bargs = (grad_out, q, k, v, *reference, *args[3:], bias is not None)
+    out, row_max, log_sum = reference
+    bargs = dict(
+        args, grad_out=grad_out, out=out, row_max=row_max, log_sum=log_sum,
+        bias_grad=bias is not None,
+    )  # fmt: skip
     for kernel, ref in zip(
-        attention_op.backward_kernels(*bargs), attention_reference.backward(*bargs), strict=True
+        attention_op.backward_kernels(**bargs), attention_reference.backward(**bargs), strict=True
     ):
         assert kernel.shape == ref.shape
         if ref.numel():  # relative to the gradient's size: sums over up to 517 keys

@@ -211,17 +211,10 @@ def attention(
     rel_bias: Tensor | None = None,
     prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    layout = _checked_layout(
-        q, k, v, bias, mask, seed, p, window, doc_q, doc_kv, rel_bias, prefix, causal
-    )
-    masked_value, window = _finite(masked_value), _hiding(window, q, k)
+    arguments = dict(locals())  # the schema's arguments by name (before any other local)
+    layout = _checked_layout(**arguments)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
-    out, row_max, log_sum = impl(
-        *_operands4(layout, q, k, v, bias, mask),
-        seed, stream, p, scale, causal, masked_value, window, score_mod,
-        _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias, "rel_bias"),
-        _small4(layout, prefix, "prefix"),
-    )  # fmt: skip
+    out, row_max, log_sum = impl(**_in4(layout, arguments))
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
 
 
@@ -238,34 +231,30 @@ def _(call: Call):
     )
 
 
-def _operands4(layout: Layout, q, k, v, bias, mask) -> list[Tensor | None]:
-    """q, k, v, bias and mask as the 4-D views the implementations take."""
-    return [
-        layout.to4(q, "q", layout.heads),
-        layout.to4(k, "k", layout.kv_heads),
-        layout.to4(v, "v", layout.kv_heads),
-        *(
-            layout.to4(t, name) if t is not None else None
-            for t, name in ((bias, "bias"), (mask, "mask"))
-        ),
-    ]
+VIEWED = dict(
+    grad_out="heads", q="heads", k="kv_heads", v="kv_heads", out="heads",
+    bias=None, mask=None, doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
+)  # fmt: skip
+"""The tensor arguments the implementations take as 4-D views, and the layout's heads each spans
+(None: its own, broadcast to the scores')."""
 
 
-def _documents4(layout: Layout, doc_q, doc_kv) -> tuple[Tensor, Tensor] | None:
-    """The document ids as 4-D views broadcast to the scores (None without them)."""
-    return None if doc_q is None else (layout.to4(doc_q, "doc_q"), layout.to4(doc_kv, "doc_kv"))
+def _in4(layout: Layout, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """An attention op's arguments, by name, as its implementations take them: tensors as 4-D
+    views, the masked value and the window as the kernels can hold them."""
+    views = {
+        name: layout.to4(t, name, None if heads is None else getattr(layout, heads))
+        for name, heads in VIEWED.items()
+        if (t := arguments.get(name)) is not None
+    }
+    masked_value = _finite(arguments["masked_value"])
+    window = _hiding(arguments["window"], arguments["q"], arguments["k"])
+    return {**arguments, **views, "masked_value": masked_value, "window": window}
 
 
-def _small4(layout: Layout, t: Tensor | None, name: str) -> Tensor | None:
-    """A relative bias or a prefix as its 4-D view (None stays None)."""
-    return None if t is None else layout.to4(t, name)
-
-
-def _checked_layout(
-    q, k, v, bias, mask, seed, p, window, doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
-    causal=False,
-) -> Layout:  # fmt: skip
-    """The operands' layout; errors a caller can act on, raised before any kernel runs."""
+def _checked_layout(*, q, k, v, bias, mask, seed, p, window, **more) -> Layout:
+    """The operands' layout; errors a caller can act on, raised before any kernel runs (`more`:
+    the op's other arguments, by name)."""
     layout = Layout.of(q, k, v)
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"seqfast::attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
@@ -284,6 +273,13 @@ def _checked_layout(
         raise ValueError("seqfast::attention: dropout p > 0 needs a seed tensor")
     if window < 0:
         raise ValueError(f"seqfast::attention: window must be >= 0 (0: none), got {window}")
+    _check_by_position(scores, window=window, **more)
+    return layout
+
+
+def _check_by_position(scores, *, doc_q, doc_kv, rel_bias, prefix, causal, window, **_) -> None:
+    """Errors in the arguments read by the query's and key's positions (documents, relative
+    bias, prefix), for scores of shape `scores`."""
     if (doc_q is None) != (doc_kv is None):
         raise ValueError("seqfast::attention: doc_q and doc_kv go together")
     if doc_q is not None:
@@ -314,7 +310,6 @@ def _checked_layout(
             )
         if not causal or window:
             raise ValueError("seqfast::attention: a prefix widens causal (without a window)")
-    return layout
 
 
 def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
@@ -358,16 +353,16 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _common_args(
-    q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
+    *, q, k, v, bias, mask, masked_value, scale, window, doc_q, doc_kv, rel_bias, prefix, **_
 ) -> tuple[list, list]:
-    """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels."""
+    """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels (of
+    the launcher's arguments, by the schema's names)."""
     shape = _scores_shape(q, k)
-    docs = documents or ()
-    pointers = [t for t in (bias, mask, *docs, rel_bias, prefix) if t is not None]
+    pointers = [t for t in (bias, mask, doc_q, doc_kv, rel_bias, prefix) if t is not None]
     strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
     strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
-    if documents is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
-        q_ids, kv_ids = (_strides4(t, shape) for t in documents)
+    if doc_q is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
+        q_ids, kv_ids = (_strides4(t, shape) for t in (doc_q, doc_kv))
         strides += [*q_ids[:3], *kv_ids[:2], kv_ids[3]]
     if rel_bias is not None:  # (b, h, diagonal)
         rel = _strides4(rel_bias, (*shape[:2], 1, rel_bias.shape[-1]))
@@ -376,17 +371,6 @@ def _common_args(
         strides += [*_strides4(prefix, (*shape[:2], 1, 1))[:2]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else [])
-
-
-def _as_called(
-    bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix, **more
-) -> dict[str, Any]:
-    """The arguments `_flags` reads, by the op's names, from a launcher's."""
-    doc_q = None if documents is None else documents[0]
-    return dict(
-        bias=bias, mask=mask, p=p, causal=causal, window=window, score_mod=score_mod, doc_q=doc_q,
-        rel_bias=rel_bias, prefix=prefix, **more,
-    )  # fmt: skip
 
 
 def _hiding(window: int, q: Tensor, k: Tensor) -> int:
@@ -404,10 +388,11 @@ def _finite(value: float) -> float:
 
 
 def forward_kernels(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
-    documents=None, rel_bias=None, prefix=None,
+    *, q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
+    doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
+    arguments = dict(locals())  # by the schema's names (k in q's dtype)
     b, h, lq, d = q.shape
     out = runtime.empty((b, h, lq, d), v.dtype, q.device)
     row_max = runtime.empty((b, h, lq), torch.float32, q.device)
@@ -416,12 +401,8 @@ def forward_kernels(
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    (spec,) = forward_kernels_of(
-        _as_called(bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix)
-    )
-    pointers, scalars = _common_args(
-        q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
-    )
+    (spec,) = forward_kernels_of(arguments)
+    pointers, scalars = _common_args(**arguments)
     blocks = _blocks(q)
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
     kernel_function(spec)[grid](
@@ -464,17 +445,10 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias, drel) shaped as q, k, v, bias and rel_bias; dbias is empty
     unless `bias_grad`, drel unless `rel_grad`."""
+    arguments = dict(locals())  # the schema's arguments by name (before any other local)
     layout = Layout.of(q, k, v)
-    masked_value, window = _finite(masked_value), _hiding(window, q, k)
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
-    q4, k4, v4, bias4, mask4 = _operands4(layout, q, k, v, bias, mask)
-    dq, dk, dv, dbias, drel = impl(
-        layout.to4(grad_out, "grad_out", layout.heads), q4, k4, v4,
-        layout.to4(out, "out", layout.heads), row_max,
-        log_sum, bias4, mask4, seed, stream, p, scale, causal, masked_value, bias_grad, window,
-        score_mod, _documents4(layout, doc_q, doc_kv), _small4(layout, rel_bias, "rel_bias"),
-        rel_grad, _small4(layout, prefix, "prefix"),
-    )  # fmt: skip
+    dq, dk, dv, dbias, drel = impl(**_in4(layout, arguments))
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (
         *grads,
@@ -497,60 +471,26 @@ def _(call: Call):
 
 
 def backward_kernels(
-    grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, score_mod="", documents=None, rel_bias=None, rel_grad=False,
-    prefix=None,
+    *, grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
+    masked_value, bias_grad, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
+    rel_grad=False, prefix=None,
 ):  # fmt: skip
-    k_in = k
-    k, grad_out = _as_dtype(k, q.dtype), _as_dtype(grad_out, v.dtype)
-    grad_out = copies.for_kernel(grad_out, "attention_backward", "grad_out")
-    out = copies.for_kernel(out, "attention_backward", "out")
-    b, h, lq, d = q.shape
-    kv_heads, lk = k.shape[1], k.shape[2]
+    arguments = dict(locals())  # by the schema's names, as the kernels read them:
+    arguments.update(  # k in q's dtype, grad_out in v's, grad_out and out contiguous
+        k=_as_dtype(k, q.dtype),
+        grad_out=copies.for_kernel(_as_dtype(grad_out, v.dtype), "attention_backward", "grad_out"),
+        out=copies.for_kernel(out, "attention_backward", "out"),
+    )
     dq = runtime.empty(q.shape, q.dtype, q.device)
     dk = runtime.empty(k.shape, q.dtype, q.device)
     dv = runtime.empty(v.shape, v.dtype, q.device)
-    shape = _scores_shape(q, k)
-    dbias_full = None
-    if bias_grad:
-        skips = causal or window > 0 or documents is not None  # (a prefix is causal's)
-        make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
-        dbias_full = make(shape, dtype=torch.float32, device=q.device)
-    drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
-    if rel_grad:
-        drel_full = torch.zeros((b, h, lq + lk - 1), dtype=torch.float32, device=q.device)
-    if q.numel() == 0 or lk == 0:
-        for t in (dq, dk, dv) + ((dbias_full,) if bias_grad else ()):
-            t.zero_()
+    dbias_full, drel_full = _bias_grads(**arguments)
+    if q.numel() == 0 or k.shape[2] == 0:
+        for t in (dq, dk, dv, dbias_full):
+            if t is not None:
+                t.zero_()
     else:
-        blocks = _backward_blocks(q)
-        delta = runtime.empty((b, h, lq), torch.float32, q.device)
-        block_r = 64 if q.device.type == "cuda" else 16
-        kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
-            grad_out, out, delta, b * h * lq,
-            HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
-        )  # fmt: skip
-        grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
-        _delta, dkdv_spec, dq_spec = backward_kernels_of(
-            _as_called(
-                bias, mask, p, causal, window, score_mod, documents, rel_bias, prefix, **grads
-            )
-        )
-        pointers, scalars = _common_args(
-            q, k, v, bias, mask, masked_value, scale, window, documents, rel_bias, prefix
-        )
-        seed_args = [seed] if p > 0 else []
-        dropout_args = (p, stream) if p > 0 else ()
-        constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
-        kernel_function(dkdv_spec)[(triton.cdiv(lk, blocks["BLOCK_N"]) * b * kv_heads,)](
-            q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dk, dv,
-            *scalars, *dropout_args, **constants,
-        )  # fmt: skip
-        kernel_function(dq_spec)[(triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)](
-            q, k, v, *pointers, *seed_args, grad_out, row_max, log_sum, delta, dq,
-            *([dbias_full] if bias_grad else []), *([drel_full] if rel_grad else []),
-            *scalars, *dropout_args, **constants,
-        )  # fmt: skip
+        _launch_backward(arguments, dq, dk, dv, dbias_full, drel_full)
     if bias_grad:
         dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
     else:
@@ -559,7 +499,54 @@ def backward_kernels(
         drel = drel_full.unsqueeze(2).sum_to_size(rel_bias.shape).to(rel_bias.dtype)
     else:
         drel = reference.no_bias_grad(q, rel_bias)
-    return dq, _as_dtype(dk, k_in.dtype), dv, dbias, drel
+    return dq, _as_dtype(dk, k.dtype), dv, dbias, drel
+
+
+def _bias_grads(
+    *, q, k, causal, window, doc_q, bias_grad, rel_grad, **_
+) -> tuple[Tensor | None, Tensor | None]:
+    """The float32 gradients the dq kernel writes where asked for (None elsewhere): the bias's at
+    the scores' size, the relative bias's per (batch, head, diagonal)."""
+    dbias_full = None
+    if bias_grad:
+        skips = causal or window > 0 or doc_q is not None  # (a prefix is causal's)
+        make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
+        dbias_full = make(_scores_shape(q, k), dtype=torch.float32, device=q.device)
+    drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
+    if rel_grad:
+        diagonals = q.shape[2] + k.shape[2] - 1
+        drel_full = torch.zeros((*q.shape[:2], diagonals), dtype=torch.float32, device=q.device)
+    return dbias_full, drel_full
+
+
+def _launch_backward(
+    call: Mapping[str, Any], dq: Tensor, dk: Tensor, dv: Tensor, *bias_grads: Tensor | None
+) -> None:
+    """The row deltas, then dk and dv, then dq and the float32 bias gradients, for the
+    launcher's arguments `call` by the schema's names."""
+    q, k, v, grad_out, p = (call[name] for name in ("q", "k", "v", "grad_out", "p"))
+    b, h, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    blocks = _backward_blocks(q)
+    delta = runtime.empty((b, h, lq), torch.float32, q.device)
+    block_r = 64 if q.device.type == "cuda" else 16
+    kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
+        grad_out, call["out"], delta, b * h * lq,
+        HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
+    )  # fmt: skip
+    _delta, dkdv_spec, dq_spec = backward_kernels_of(call)
+    pointers, scalars = _common_args(**call)
+    seed_args = [call["seed"]] if p > 0 else []
+    dropout_args = (p, call["stream"]) if p > 0 else ()
+    rows = (grad_out, call["row_max"], call["log_sum"], delta)
+    constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
+    kernel_function(dkdv_spec)[(triton.cdiv(lk, blocks["BLOCK_N"]) * b * kv_heads,)](
+        q, k, v, *pointers, *seed_args, *rows, dk, dv, *scalars, *dropout_args, **constants,
+    )  # fmt: skip
+    kernel_function(dq_spec)[(triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)](
+        q, k, v, *pointers, *seed_args, *rows, dq, *(t for t in bias_grads if t is not None),
+        *scalars, *dropout_args, **constants,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ the kernels follow: scores `q @ k^T * scale`, modified by the registered element
 (a bias that depends only on the key's position less the query's); positions the boolean `mask`
 rejects take `masked_value`; positions above the diagonal (causal) but for keys before the
 `prefix`, keys `window` or more positions before the query (a sliding window, when `window` > 0)
-and keys of another document than the query's (with `documents`) take -inf; then softmax and
-dropout. A row whose every score is -inf gives zero output and zero gradients (as torch's SDPA
-defines it); a row filled with a finite `masked_value` averages over all keys (as eager softmax
-does).
+and keys of another document than the query's (`doc_kv` unlike `doc_q`) take -inf; then
+softmax and dropout. A row whose every score is -inf gives zero output and zero gradients (as
+torch's SDPA defines it); a row filled with a finite `masked_value` averages over all keys (as
+eager softmax does). `forward` and `backward` take the op's arguments by the names of its schema,
+the operands as their 4-D views.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def relative_grad(ds: Tensor, rel_bias: Tensor) -> Tensor:
 
 
 def scores(
+    *,
     q: Tensor,
     k: Tensor,
     bias: Tensor | None,
@@ -80,12 +82,15 @@ def scores(
     masked_value: float,
     window: int = 0,
     score_mod: str = "",
-    documents: tuple[Tensor, Tensor] | None = None,
+    doc_q: Tensor | None = None,
+    doc_kv: Tensor | None = None,
     rel_bias: Tensor | None = None,
     prefix: Tensor | None = None,
+    **_: object,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """float32 scores after the score modification, biases, mask, causal and window, where each
-    query may attend, and the modification's derivative (None without one)."""
+    query may attend, and the modification's derivative (None without one); the op's other
+    arguments are ignored."""
     s = q.float() @ expand_heads(k, q.shape[1]).float().transpose(-1, -2) * scale
     slope = None
     if score_mod:
@@ -98,8 +103,8 @@ def scores(
     if mask is not None:
         s = s.masked_fill(~mask, masked_value)
         attend = attend & mask
-    if documents is not None:
-        same = documents[0] == documents[1]
+    if doc_q is not None:
+        same = doc_q == doc_kv
         s = s.masked_fill(~same, -math.inf)
         attend = attend & same
     keep = diagonal_keep(s.shape[-2], s.shape[-1], causal, window, q.device)
@@ -138,23 +143,10 @@ def dropout_scale(
 
 
 def forward(
-    q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
-    documents=None, rel_bias=None, prefix=None,
+    *, q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
+    doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
 ):  # fmt: skip
-    s, _, _ = scores(
-        q,
-        k,
-        bias,
-        mask,
-        scale,
-        causal,
-        masked_value,
-        window,
-        score_mod,
-        documents,
-        rel_bias,
-        prefix,
-    )
+    s, _, _ = scores(**locals())
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -178,24 +170,11 @@ def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
 
 
 def backward(
-    grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, score_mod="", documents=None, rel_bias=None, rel_grad=False,
-    prefix=None,
+    *, grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
+    masked_value, bias_grad, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
+    rel_grad=False, prefix=None,
 ):  # fmt: skip
-    s, attend, slope = scores(
-        q,
-        k,
-        bias,
-        mask,
-        scale,
-        causal,
-        masked_value,
-        window,
-        score_mod,
-        documents,
-        rel_bias,
-        prefix,
-    )
+    s, attend, slope = scores(**locals())
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     dropped = prob if drop is None else prob * drop
