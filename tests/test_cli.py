@@ -18,7 +18,7 @@ def test_demo_prints_both_loss_curves_step_times_and_the_report():
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3
     assert "median step time" in out
     assert "fused sites:" in out
-    assert re.search(r"attention +2\n", out) and re.search(r"norm +5\n", out)
+    assert re.search(r"^  attention +2\b", out, re.M) and re.search(r"^  norm +5\b", out, re.M)
 
 
 def test_demo_rejects_too_few_steps():
