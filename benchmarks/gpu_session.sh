@@ -147,11 +147,12 @@ if grep -q '^device: NO CUDA' "$work/facts.txt"; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 1. the GPU test tier, 83 tests. Its kernels take ~0.5-3 s each to compile (first launch) and it
-# compiles a few hundred, ~8 CPU-minutes in all; the longest test, plan_batch's, plans twice
-# (~100 s each on this project's 2-core CPU host) before it trains. pytest-xdist spreads them over
-# 12 processes (16 cores), the whole-model tests first; a per-test timeout (thread method: the
-# worker exits, xdist starts another) keeps one hung kernel from holding the whole tier.
+# 1. the GPU test tier: tests/test_gpu.py (85 tests) and every registry sample on CUDA (78). Its
+# kernels take ~0.5-3 s each to compile (first launch) and it compiles a few hundred, ~8
+# CPU-minutes in all; the longest test, plan_batch's, plans twice (~100 s each on this project's
+# 2-core CPU host) before it trains. pytest-xdist spreads them over 12 processes (16 cores), the
+# whole-model tests first; a per-test timeout (thread method: the worker exits, xdist starts
+# another) keeps one hung kernel from holding the whole tier.
 
 if wanted pytest_gpu "$@"; then
     opts=(-m gpu -q -rfE --tb=short --durations=25 -p no:cacheprovider --continue-on-collection-errors)

@@ -1,5 +1,6 @@
-"""The GPU tier (`pytest -m gpu`): compiled kernels on CUDA against the reference at larger shapes
-and low-precision tolerances, and a short training run whose loss curve must track eager."""
+"""The GPU tier (`pytest -m gpu`) beyond every registry sample on CUDA (`ops/test_samples.py`):
+compiled kernels against the reference at larger shapes and low-precision tolerances, and a short
+training run whose loss curve must track eager."""
 
 import copy
 import math
@@ -287,14 +288,3 @@ def test_loss_kernels_on_infinite_logits_and_strided_targets(smoothing):
         torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
     ):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
-
-
-KERNEL_TESTS = {
-    "attention": test_attention_kernels_match_the_reference,
-    "add_norm": test_kernels_match_the_reference,
-    "cross_entropy": test_loss_kernels_match_eager,
-    "linear_cross_entropy": test_loss_kernels_match_eager,
-    "pointwise": test_pointwise_kernels_match_the_reference,
-}
-"""The test that runs each registry entry's kernels compiled on the GPU
-(`tests/ops/test_registry.py` checks that every entry has one)."""

@@ -607,4 +607,5 @@ ENTRY = FusedOp(
     workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
     describe=describe,
     samples=samples_attention.samples,
+    benchmark="benchmarks.attention",
 )

@@ -262,4 +262,5 @@ ENTRY = FusedOp(
         over="logits",
     ),
     samples=samples_loss.cross_entropy_samples,
+    benchmark="benchmarks.loss",
 )

@@ -183,6 +183,9 @@ class FusedOp:
     (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
     `tests/ops/test_samples.py` runs each in every layout on every path, and the reference on
     each."""
+    benchmark: str
+    """The module under `benchmarks/` that times its kernels against eager and Inductor
+    (`python -m <module>`; `tests/test_benchmarks.py` runs it at toy sizes)."""
     backward: tuple[OpOverload, ...] = ()
     """The ops its backward graph calls."""
     flops: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)

@@ -234,4 +234,5 @@ ENTRY = FusedOp(
     workspace={torch.ops.seqfast.linear_cross_entropy.default: workspace_bytes},
     accumulate=accumulate,
     samples=samples_loss.linear_cross_entropy_samples,
+    benchmark="benchmarks.loss",
 )

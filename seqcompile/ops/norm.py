@@ -377,4 +377,5 @@ ENTRY = FusedOp(
     saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
     " mask is regenerated from the seed",
     samples=samples_norm.samples,
+    benchmark="benchmarks.norm_kernels",
 )

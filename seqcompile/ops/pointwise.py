@@ -417,4 +417,5 @@ ENTRY = FusedOp(
     saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
     label=lambda call: regions.lookup(call["region"]).name,
     samples=samples_pointwise.samples,
+    benchmark="benchmarks.pointwise_kernels",
 )

@@ -2,6 +2,7 @@
 fused call launches, its FLOPs, its workspace, its in-place twin, its accumulation hook) is read
 from one entry, and the stages agree with it."""
 
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -11,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from checks import TINY_GPT, tiny_gpt_batch
 from fuzz.test_differential import FAMILIES as FUZZED_FAMILIES
-from test_gpu import KERNEL_TESTS
 
 import seqcompile.backend as backend
 from benchmarks import KERNEL_BENCHMARKS
+from ops.test_samples import gpu_cases
 from seqcompile.codegen import counting_launches
 from seqcompile.demo import GPT
 from seqcompile.memory.cost import node_cost
@@ -224,13 +225,16 @@ def test_every_entry_is_a_whole_definition():
 
 
 def test_the_families_and_the_operator_lists_are_the_registrys():
-    """The report's families, the patterns', the fuzzer's, and the operators the GPU tests and
-    the benchmarks cover are the registry's: a new entry fails here until each covers it (the
-    Hopper compile, `tests/codegen/test_hopper_compile.py`, covers each from its samples)."""
-    names = {entry.name for entry in registry.ENTRIES}
+    """The report's families, the patterns', the fuzzer's, the operators the GPU tier runs (each
+    entry's samples on CUDA) and the benchmarks (each entry's `benchmark`, a module that exists)
+    are the registry's (the Hopper compile, `tests/codegen/test_hopper_compile.py`, covers each
+    entry from its samples)."""
     assert FAMILIES == FUZZED_FAMILIES == registry.FAMILIES
     assert {pattern.family for pattern in builtin_patterns()} < set(registry.FAMILIES)
-    assert set(KERNEL_TESTS) == set(KERNEL_BENCHMARKS) == names
+    assert {entry.name for entry in gpu_cases()} == {entry.name for entry in registry.ENTRIES}
+    assert KERNEL_BENCHMARKS == {entry.name: entry.benchmark for entry in registry.ENTRIES}
+    for entry in registry.ENTRIES:
+        assert importlib.util.find_spec(entry.benchmark) is not None, entry.benchmark
 
 
 def test_every_entry_runs_its_reference_on_cpu(monkeypatch):

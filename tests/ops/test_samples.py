@@ -1,12 +1,15 @@
 """Every fused operator on every sample its registry entry declares (`FusedOp.samples`), on both
-paths (the reference on CPU, the generated kernels under Triton's interpreter), forward and every
-gradient, against the sample's eager composition in float64, with every kernel output poisoned
-(NaN) before it is written and NaN expected exactly where eager gives NaN.
+paths (the reference on CPU, the generated kernels under Triton's interpreter) and, in the GPU
+tier, compiled on CUDA, forward and every gradient, against the sample's eager composition in
+float64, with every kernel output poisoned (NaN) before it is written and NaN expected exactly
+where eager gives NaN.
 
 The sweep crosses each sample with each layout (`ops/samples.py`: transposed, strided, expanded,
 at an offset, a window of a larger tensor) of each tensor argument. The default tier runs every
 sample contiguous, and each layout on every tensor argument at once on each operator's first
-sample; the slow tier runs every sample with each tensor argument alone in each layout."""
+sample; the slow tier runs every sample with each tensor argument alone in each layout; the GPU
+tier (`-m gpu`) runs every sample contiguous on CUDA, so each entry's kernels are tested compiled
+without a test of their own."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.samples import LAYOUTS, Sample, applies, in_layout, replace_slots, tensor_slots
 
-PATHS = ("reference", "kernels")
+PATHS = ("reference", "kernels", "cuda")
+"""Where the op runs: the reference on CPU, the kernels under the interpreter or on CUDA."""
 
 
 def _forward_kernels(entry: FusedOp, sample: Sample) -> tuple[str, ...]:
@@ -34,12 +38,17 @@ def _forward_kernels(entry: FusedOp, sample: Sample) -> tuple[str, ...]:
 
 
 def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str, slow: bool):
-    """The case on each path: the kernel path joins the kernel tier, naming its kernels."""
+    """The case on each path: the kernel path joins the kernel tier, naming its kernels; the CUDA
+    path, for contiguous samples, the GPU tier."""
     for path in PATHS:
+        if path == "cuda" and layouts:
+            continue
         case_id = f"{entry.name}-{sample.name}-{label}-{path}"
         marks = []
         if slow:
             marks.append(pytest.mark.slow)
+        if path == "cuda":
+            marks.append(pytest.mark.gpu)
         if path == "kernels":
             kernels = _forward_kernels(entry, sample)
             marks += [pytest.mark.interpreter, pytest.mark.kernels(*kernels)]
@@ -61,6 +70,11 @@ def _cases() -> Iterator:
                     yield from _params(entry, sample, {slot: layout}, f"{slot}-{layout}", slow=True)
 
 
+def gpu_cases() -> list[FusedOp]:
+    """The entries the GPU tier runs on CUDA, one per case."""
+    return [param.values[0] for param in _cases() if param.values[3] == "cuda"]
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
@@ -69,9 +83,11 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
     monkeypatch.setenv("SEQFAST_POISON", "1")
     if path == "kernels":
         request.getfixturevalue("interpret")
+    device = "cuda" if path == "cuda" else "cpu"
 
     def laid_out(slot: str, t: torch.Tensor) -> torch.Tensor:
-        return in_layout(t, layouts.get(slot, "contiguous"), requires_grad=slot in sample.grads)
+        layout = layouts.get(slot, "contiguous")
+        return in_layout(t.to(device), layout, requires_grad=slot in sample.grads)
 
     args = replace_slots(sample.args, laid_out)
     tensors = dict(tensor_slots(args))
@@ -79,7 +95,7 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
     expected = list(sample.eager(**replace_slots(args, lambda slot, _: wide[slot])))
     with counting_launches() as launches:
         result = entry.forward(**args)
-    if path == "kernels":  # checked first: an output the reference gives fails for this reason
+    if path != "reference":  # checked first: an output the reference gives fails for this reason
         missing = [name for name in _forward_kernels(entry, sample) if not launches.of(name)]
         assert not missing, f"kernels {missing} were never launched"
     outputs = [result[i] for i in sample.outputs] if isinstance(result, tuple | list) else [result]
@@ -90,7 +106,7 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
     if not sample.grads or not differentiable:
         return
     g = torch.Generator().manual_seed(7)
-    cotangents = [torch.randn(a.shape, generator=g) for a, _ in differentiable]
+    cotangents = [torch.randn(a.shape, generator=g).to(device) for a, _ in differentiable]
     actual_grads = torch.autograd.grad(
         [a for a, _ in differentiable], [tensors[s] for s in sample.grads], cotangents,
         allow_unused=True,
