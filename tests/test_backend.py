@@ -27,6 +27,7 @@ def inputs(grad=True):
     return [torch.randn(2, 3, 16, requires_grad=grad), torch.randn(2, 3, 16, requires_grad=grad)]
 
 
+@pytest.mark.slow
 def test_backend_is_found_in_a_fresh_interpreter_without_importing_seqcompile():
     script = textwrap.dedent(
         """

@@ -11,6 +11,8 @@ from seqcompile.batch_plan import Curve
 from seqcompile.demo import GPT
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # each test plans and compiles a model several times
+
 CONFIG = TINY_GPT
 TARGET = 16
 

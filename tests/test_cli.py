@@ -4,7 +4,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_prints_both_loss_curves_step_times_and_the_report():
     result = subprocess.run(
         [sys.executable, "-m", "seqcompile", "demo", "--steps", "3", "--device", "cpu"],
@@ -21,6 +24,7 @@ def test_demo_prints_both_loss_curves_step_times_and_the_report():
     assert re.search(r"^  attention +2\b", out, re.M) and re.search(r"^  norm +5\b", out, re.M)
 
 
+@pytest.mark.slow
 def test_demo_rejects_too_few_steps():
     result = subprocess.run(
         [sys.executable, "-m", "seqcompile", "demo", "--steps", "1"], capture_output=True, text=True

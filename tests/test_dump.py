@@ -141,6 +141,7 @@ def test_stage_5_passes_are_dumped_in_order_after_differentiate(tmp_path):
     assert after == [f"plan_memory_{name}" for name in passes], stages
 
 
+@pytest.mark.slow
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "add_norm_bwd")
 def test_rerun_script_compiles_the_graph_again_in_a_fresh_process(impl, tmp_path):
     """Under the kernel tier the script inherits SEQFAST_INTERPRET=1 (and not TRITON_INTERPRET,
@@ -183,6 +184,7 @@ class Rotary(nn.Module):
         return torch.view_as_real(pairs * self.freqs).flatten(-2)
 
 
+@pytest.mark.slow
 def test_a_graph_with_a_complex_input_is_dumped_and_rerun(tmp_path):
     graph = compiled_step(Rotary(), [torch.randn(2, 5, 8, requires_grad=True)], tmp_path)
     assert "dtype=torch.complex64" in (graph / "rerun.py").read_text()
@@ -305,6 +307,7 @@ def test_rerun_keeps_the_grad_and_autocast_modes(tmp_path):
     assert "with torch.set_grad_enabled(False), torch.autocast('cpu', torch.bfloat16):" in script
 
 
+@pytest.mark.slow
 def test_rerun_of_a_dynamic_graph_compiles_at_symbolic_sizes(tmp_path):
     def fn(x):
         return torch.sin(x.view(x.shape[0], -1, 2)).sum(-1) * 3
@@ -369,6 +372,7 @@ torch.compile(step, backend="seqfast", options=options)(torch.randn(4, requires_
 """
 
 
+@pytest.mark.slow
 def test_a_run_clears_an_earlier_runs_graphs_and_indexes_its_own(tmp_path):
     """The first run makes two graphs, the second one: only the second run's graph is left,
     beside a file of the user's, and the index lists it and says what each file is."""

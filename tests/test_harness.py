@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import needs_interpreter
 
+pytestmark = pytest.mark.slow  # each test runs a child test session
+
 TESTS = Path(__file__).resolve().parent
 
 COLUMN_SUM = """

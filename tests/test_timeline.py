@@ -14,6 +14,8 @@ from seqcompile.demo import GPT
 from seqcompile.memory.liveness import Timeline, combined_peak, combined_timeline
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a model
+
 CONFIG = TINY_GPT
 
 

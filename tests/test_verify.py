@@ -7,6 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +58,7 @@ def test_a_correct_compile_is_reported_as_matching_eager():
     assert "matches eager (3 fused sites)" in str(report)
 
 
+@pytest.mark.slow
 def test_a_wrong_backward_is_found_left_unfused_reported_and_written_up(monkeypatch, tmp_path):
     """The fused norm's backward is made wrong: verify finds the norm, and the graph compiled
     without it (at symbolic sizes, as the compile was dynamic) gives eager's gradients at the

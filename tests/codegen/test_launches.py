@@ -117,6 +117,7 @@ REFERENCE_ON_CPU = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_every_kernel_tier_test_fails_when_the_reference_runs_instead_of_the_kernels(tmp_path):
     """The kernel tier's outputs match the reference, so only the launch counts tell whether the

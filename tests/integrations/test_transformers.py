@@ -12,6 +12,8 @@ from models.real_models import CASES, causal_lm_batch
 from seqcompile.integrations.transformers import fuse_lm_head_loss
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # whole models: the real-model tier
+
 transformers = pytest.importorskip("transformers")
 CASE = {case.name: case for case in CASES}
 MODELS = ["gpt2", "llama-gqa"]

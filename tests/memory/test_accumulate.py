@@ -36,6 +36,7 @@ def compiled(model, rest="eager"):
     return torch.compile(model, backend="seqfast", options=options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rest", ["eager", "inductor"])
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_accumulated_gradients_equal_eagers(rest, n):

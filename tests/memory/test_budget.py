@@ -13,6 +13,8 @@ from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.report import CompileReport, collecting
 from tests.memory.test_checkpoint import CheckpointedGPT
 
+pytestmark = pytest.mark.slow  # each test compiles a model at several budgets
+
 CONFIG = TINY_GPT
 
 

@@ -17,6 +17,8 @@ from torch.utils.checkpoint import (
 from seqcompile.demo import GPT, toy_batch
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # each test compiles a checkpointed model
+
 
 class CheckpointedGPT(GPT):
     """The demo GPT with each block optionally in a checkpoint."""

@@ -10,6 +10,8 @@ from seqcompile.demo import GPT
 from seqcompile.memory import dry_run
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # each test compiles a model for real and on meta tensors
+
 CONFIG = TINY_GPT
 
 

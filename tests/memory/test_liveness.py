@@ -14,6 +14,8 @@ from torch.profiler._memory_profiler import Action
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # each test compiles a model and counts what autograd saves
+
 
 def predicted_saved_bytes(report):
     return sum(p.step.kept_bytes + p.step.kept_input_bytes for p in report.memory)

@@ -33,6 +33,7 @@ def test_loss_and_every_gradient_match_eager(norm):
     check_fusion(GPT(cfg), list(batch(cfg)), counts={"norm": norm_sites(cfg)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("norm", ["layer", "t5"])
 def test_autocast_still_fuses_and_keeps_eager_dtypes(dtype, norm):
@@ -58,6 +59,7 @@ def test_autocast_still_fuses_and_keeps_eager_dtypes(dtype, norm):
     torch.testing.assert_close(x_fast.grad, x.grad, **TOLERANCES[dtype])
 
 
+@pytest.mark.slow
 def test_four_sequence_lengths_compile_at_most_two_graphs_all_fused():
     torch.manual_seed(0)
     cfg = config()
@@ -112,6 +114,7 @@ def test_training_loss_curve_tracks_eager():
     torch.testing.assert_close(fast.losses, eager.losses, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_attention_keeps_memory_linear_in_length_and_under_a_third_of_eager():
     kept = {}
     for length in (128, 256):

@@ -107,6 +107,7 @@ def _compiled_step(monkeypatch, fold: bool):
     return [loss, x.grad, *(p.grad for p in model.parameters())]
 
 
+@pytest.mark.slow
 @pytest.mark.kernels("pointwise:forward", "pointwise:backward")
 def test_folded_gradient_sums_give_autograds_gradients(monkeypatch, impl):
     folded = _compiled_step(monkeypatch, fold=True)

@@ -9,6 +9,8 @@ import torch
 
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # whole models: the real-model tier
+
 transformers = pytest.importorskip("transformers")
 
 B, L, LD, VOCAB = 2, 8, 6, 100

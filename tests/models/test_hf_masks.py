@@ -25,6 +25,8 @@ from models.real_models import (
 from models.test_real_models import assert_gradients_match, step
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # whole models: the real-model tier
+
 pytest.importorskip("transformers")
 
 WINDOW = 4

@@ -14,6 +14,8 @@ from checks import dumped_add_norms
 
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # whole models: the real-model tier
+
 transformers = pytest.importorskip("transformers")
 
 B, L, VOCAB, LAYERS = 2, 8, 100, 2

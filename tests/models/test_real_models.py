@@ -10,6 +10,8 @@ from conftest import TOLERANCES
 from models.real_models import CASES, Case
 from seqcompile.report import collecting
 
+pytestmark = pytest.mark.slow  # whole models: the real-model tier
+
 pytest.importorskip("transformers")
 
 GRADIENT_RTOL = TOLERANCES[torch.float32]["rtol"]

@@ -151,6 +151,7 @@ SHAPES = [  # (Lq, Lk, head_dim): every length, Lq < Lk and Lq > Lk, every head 
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("lq,lk,d", SHAPES)
 def test_shapes_and_dtypes(impl, lq, lk, d, dtype):
@@ -165,6 +166,7 @@ FLAGS = [(bias, mask, causal, dropout) for bias in (0, 1) for mask in (0, 1)
          for causal in (0, 1) for dropout in (0, 1)]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bias,mask,causal,dropout",
     FLAGS,

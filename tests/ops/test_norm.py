@@ -84,6 +84,7 @@ def run_and_compare(inputs, *, p, rms, dtype, eps=1e-5, stream=3, sum_grad=True)
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("width", [1, 7, 768, 1000])
@@ -104,6 +105,7 @@ FEATURES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rms,residual,branch_bias,weight,bias,dropout",
     FEATURES,
@@ -159,6 +161,7 @@ def test_kernels_drop_exactly_what_the_reference_drops(interpret, monkeypatch):
     torch.testing.assert_close(kernels, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_keep_ratio_scaling_and_backward_mask(impl, p):
     rows, width = 64, 257

@@ -58,6 +58,7 @@ class NormBlock(nn.Module):
         return self.norm(total) * 2 + total
 
 
+@pytest.mark.slow
 @pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "column_sum", "attention_fwd", "pointwise")
 @pytest.mark.parametrize("rms, dropout", [(False, 0.0), (True, 0.1)])
 def test_the_kernels_a_compile_lists_are_the_kernels_its_step_launches(interpret, rms, dropout):

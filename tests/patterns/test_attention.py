@@ -1426,6 +1426,7 @@ def test_a_mask_added_where_the_heads_are_split_out_between_two_flattened_views(
     fused(fn, [*qkv(), mask])
 
 
+@pytest.mark.slow
 def test_heads_split_for_the_mask_at_symbolic_sizes(recwarn):
     """With dynamic shapes the reshapes' sizes are graph values (no raw symbolic sizes passed as
     arguments), and one compile serves several batch and sequence sizes."""

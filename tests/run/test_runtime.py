@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from seqcompile.run import runtime
@@ -28,6 +29,7 @@ def test_poison_fills_outputs_with_nan(monkeypatch):
     assert runtime.empty((3,), torch.bool, cpu).all()
 
 
+@pytest.mark.slow
 def test_interpreter_requested_after_triton_was_imported_says_what_to_do():
     script = textwrap.dedent(
         """
@@ -49,6 +51,7 @@ def test_interpreter_requested_after_triton_was_imported_says_what_to_do():
     assert "Set TRITON_INTERPRET=1 in the environment" in result.stdout, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_seqfast_interpret_set_before_import_turns_the_interpreter_on():
     script = "import seqcompile, os; print(os.environ.get('TRITON_INTERPRET'))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
