@@ -1,6 +1,7 @@
 """The fused loss against eager PyTorch (the logits materialized), Inductor and, where installed,
-Liger-Kernel: cross-entropy over given logits, and linear + cross-entropy from hidden states, one
-forward + backward step in bf16, in time and peak memory.
+Liger-Kernel: cross-entropy over given logits (against class indices and against probabilities),
+and linear + cross-entropy from hidden states, one forward + backward step in bf16, in time and
+peak memory.
 
     python -m benchmarks.loss [--quick | --short] [--no-inductor] [--output FILE]
 
@@ -25,8 +26,19 @@ def cross_entropy(logits, target):
     return F.cross_entropy(logits.float(), target, ignore_index=-100)
 
 
+def soft_cross_entropy(logits, probabilities):
+    return F.cross_entropy(logits.float(), probabilities)
+
+
 def linear_cross_entropy(hidden, weight, target):
     return F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100)
+
+
+CASES = {
+    "cross-entropy": cross_entropy,
+    "soft cross-entropy": soft_cross_entropy,
+    "linear+cross-entropy": linear_cross_entropy,
+}
 
 
 def liger_executor(case):
@@ -40,15 +52,20 @@ def liger_executor(case):
         return None
     if case == "linear+cross-entropy":
         return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=-100)
-    return lambda logits, t: liger_cross_entropy(logits, t, ignore_index=-100)
+    if case == "cross-entropy":
+        return lambda logits, t: liger_cross_entropy(logits, t, ignore_index=-100)
+    return None
 
 
 def make_inputs(case, tokens, vocab, width, device, dtype):
     g = torch.Generator(device=device).manual_seed(0)
     target = torch.randint(vocab, (tokens,), device=device, generator=g)
     target[::7] = -100
-    if case == "cross-entropy":
+    if case != "linear+cross-entropy":
         logits = torch.randn(tokens, vocab, device=device, dtype=dtype, generator=g)
+        if case == "soft cross-entropy":
+            scores = torch.randn(tokens, vocab, device=device, generator=g)
+            target = torch.softmax(scores, dim=-1)
         return [logits.requires_grad_(), target]
     hidden = torch.randn(tokens, width, device=device, dtype=dtype, generator=g)
     weight = torch.randn(vocab, width, device=device, dtype=dtype, generator=g) / width**0.5
@@ -87,7 +104,7 @@ def measure(fn, inputs, device):
 
 
 def bench(case, tokens, vocab, width, device, dtype, inductor):
-    fn = cross_entropy if case == "cross-entropy" else linear_cross_entropy
+    fn = CASES[case]
     torch._dynamo.reset()  # past `recompile_limit` compiles of `fn`, Dynamo would run it eagerly
     inputs = make_inputs(case, tokens, vocab, width, device, dtype)
     executors = {"eager": fn, "seqfast": torch.compile(fn, backend="seqfast", dynamic=False)}
@@ -135,15 +152,16 @@ def main() -> None:
         sizes = [(8192, 128256)]
     else:
         sizes = [(t, v) for v in (32000, 50257, 128256, 256000) for t in (8192, 32768)]
-    title = "Fused loss: cross-entropy and linear + cross-entropy"
+    title = "Fused loss: cross-entropy (class and probability targets) and linear + cross-entropy"
     lines = header(title, device, "benchmarks.loss")
     lines += [
-        f"dtype {dtype}; hidden width {width}; mean over non-ignored tokens (every 7th ignored);"
+        f"dtype {dtype}; hidden width {width}; class targets: mean over non-ignored tokens (every"
+        " 7th ignored); probability targets: a softmax of random scores, mean over tokens;"
         " peak: MiB allocated above the inputs.",
         "",
     ]
     rows = []
-    for case in ("cross-entropy", "linear+cross-entropy"):
+    for case in CASES:
         for tokens, vocab in sizes:
             rows += bench(case, tokens, vocab, width, device, dtype, not args.no_inductor)
     columns = ["case", "tokens", "vocab", "executor", "ms", "peak MiB", "x eager speed",

@@ -10,7 +10,14 @@ from typing import Any
 from torch.fx import Node
 
 from seqcompile.codegen import KernelSpec
-from seqcompile.ops import attention, cross_entropy, linear_cross_entropy, norm, pointwise
+from seqcompile.ops import (
+    attention,
+    cross_entropy,
+    linear_cross_entropy,
+    norm,
+    pointwise,
+    soft_cross_entropy,
+)
 from seqcompile.ops.fused_op import Call, FusedOp
 
 ENTRIES: tuple[FusedOp, ...] = (
@@ -18,6 +25,7 @@ ENTRIES: tuple[FusedOp, ...] = (
     norm.ENTRY,
     cross_entropy.ENTRY,
     linear_cross_entropy.ENTRY,
+    soft_cross_entropy.ENTRY,
     pointwise.ENTRY,
 )
 _BY_OP = {op: entry for entry in ENTRIES for op in entry.ops}

@@ -1,7 +1,9 @@
 """The loss family: `aten.cross_entropy_loss` (every spelling of it, after normalization) becomes
 `seqfast::cross_entropy` plus its reduction; when the logits come straight from a linear layer (an
 LM head, an output projection, a tied embedding) and nothing else reads them, the linear joins the
-loss in `seqfast::linear_cross_entropy`, which never builds the full logits.
+loss in `seqfast::linear_cross_entropy`, which never builds the full logits. Against probability
+targets (soft labels, mixup, a teacher's probabilities) of (rows, classes) logits it becomes
+`seqfast::soft_cross_entropy` plus its reduction.
 
 An upcast of the logits to float32 before the loss is absorbed: the kernels read the logits in
 their own dtype and compute in float32 either way. Logits with the classes on dim 1 of three or
@@ -31,7 +33,7 @@ from seqcompile.fx_utils import (
     site_name,
     tensor_val,
 )
-from seqcompile.ops import cross_entropy, linear_cross_entropy
+from seqcompile.ops import cross_entropy, linear_cross_entropy, soft_cross_entropy
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.report import Missed
 
@@ -60,6 +62,8 @@ class Loss:
     smoothing: float
     absorbed: list[Node]
     """Nodes between `logits` and the loss that the fused op replaces (upcast, transposes)."""
+    soft: bool = False
+    """The targets are probabilities of the logits' shape, not class indices."""
 
 
 @dataclasses.dataclass
@@ -90,9 +94,16 @@ def _read_loss(node: Node) -> Loss | Reject | None:
         return Reject("class weights are not supported by the fused cross-entropy")
     if xv is None or xv.dim() < 2:
         return Reject("logits of rank {} (the fused loss takes classes on dim 1)", xv.dim())
-    if tv is None or tv.dtype.is_floating_point or tv.dim() != xv.dim() - 1:
-        return Reject("targets must be class indices, one per row; probabilities are not")
-    if tv.dtype != torch.int64:
+    soft = tv is not None and tv.dtype.is_floating_point
+    if soft:
+        why = _why_not_soft(xv, tv)
+        if why is not None:
+            return Reject(why)
+    elif tv is None or tv.dim() != xv.dim() - 1:
+        return Reject(
+            "targets must be class indices (one per row) or probabilities (one per logit)"
+        )
+    elif tv.dtype != torch.int64:
         # eager raises for int32 and the other integer types (uint8, which it takes, Dynamo's
         # tracing of the loss refuses first); left in the graph, the loss raises eager's error
         # when the rest runs eagerly (Inductor's decomposition takes int32, as it does without
@@ -114,7 +125,24 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     why = _why_not_rows(tensor_val(logits), order) if xv.dim() > 2 else None
     if why is not None:
         return Reject(why)
-    return Loss(node, logits, order, target, reduction, ignore_index, smoothing, absorbed)
+    return Loss(node, logits, order, target, reduction, ignore_index, smoothing, absorbed, soft)
+
+
+def _why_not_soft(logits: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why probability targets `target` of `logits` are not read by the fused loss (None: they
+    are)."""
+    if logits.dim() != 2:
+        return (
+            f"probability targets over logits of rank {logits.dim()} are not fused (the fused"
+            " loss takes (rows, classes); flatten both)"
+        )
+    if target.shape != logits.shape:
+        return (
+            f"probability targets of shape {tuple(target.shape)} for logits {tuple(logits.shape)}"
+        )
+    if target.dtype not in (torch.float32, *_HALF):
+        return f"probability targets of dtype {target.dtype} (float32, float16, bfloat16)"
+    return None
 
 
 def _classes_last(x: Node, loss: Node) -> tuple[Node, list[int] | None, list[Node]]:
@@ -183,6 +211,8 @@ def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
         return f"the logits are read elsewhere ({names}), so they are built"
     if loss.reduction == _NONE:
         return "reduction 'none' needs per-token gradients, so the logits are built"
+    if loss.soft:
+        return "it takes class indices; against probability targets the logits are built"
     if not _only_autocast_between(linear.node, loss.node):
         return "grad mode or an in-place op changes between the linear and the loss"
     return None
@@ -200,6 +230,9 @@ def _only_autocast_between(first: Node, last: Node) -> bool:
 
 
 def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
+    if loss.soft:  # the mean is over the rows: probability targets ignore none
+        reduce = {_NONE: None, _SUM: aten.sum.default, _MEAN: aten.mean.default}[loss.reduction]
+        return rows if reduce is None else ctx.call(reduce, rows)
     if loss.reduction == _NONE:
         if tensor_val(loss.target).dim() == 1:
             return rows
@@ -225,9 +258,17 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
     def apply(ctx: FuseContext) -> Node:
         out_dtype = tensor_val(loss.node).dtype
         target = loss.target
-        if tensor_val(target).dim() > 1:
+        if tensor_val(target).dim() > 1 and not loss.soft:
             target = ctx.call(aten.reshape.default, target, [-1])
-        if linear is None:
+        if loss.soft:
+            fused = ctx.call_fused(
+                soft_cross_entropy.ENTRY.forward,
+                logits=_rows(ctx, loss),
+                target=target,
+                smoothing=loss.smoothing,
+            )
+            result = _reduce(ctx, loss, insert_getitem(ctx.gm.graph, fused, 0))
+        elif linear is None:
             fused = ctx.call_fused(
                 cross_entropy.ENTRY.forward,
                 logits=_rows(ctx, loss),

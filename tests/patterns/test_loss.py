@@ -701,3 +701,57 @@ def test_gpt_with_a_tied_head_fuses_its_loss_and_keeps_no_logits():
     assert by_loss == 4 * (tokens * width + CONFIG.vocab * width)
     eager = kept_for_backward(model, *batch) - kept_for_backward(trunk, *batch)
     assert eager >= 4 * tokens * (CONFIG.vocab + width)  # the log-probabilities and the head input
+
+
+def probabilities(shape=(ROWS, VOCAB), seed=1, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(shape, generator=g), -1).requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.kernels("soft_cross_entropy:forward", "soft_cross_entropy:backward")
+def test_probability_targets_fuse_with_their_gradient(impl, reduction, smoothing):
+    def loss(x, p):
+        return F.cross_entropy(x, p, label_smoothing=smoothing, reduction=reduction)
+
+    logits, _ = logits_and_targets()
+    check_fusion(loss, [logits, probabilities(requires_grad=True)], counts={"loss": 1})
+
+
+class Distilled(nn.Module):
+    """A student's loss against a teacher's softened probabilities, both learning."""
+
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = nn.Linear(WIDTH, VOCAB), nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, hidden):
+        target = torch.softmax(self.teacher(hidden) / 2.0, dim=-1)
+        return F.cross_entropy(self.student(hidden).float() * 0.5, target)
+
+
+@pytest.mark.kernels("soft_cross_entropy:forward", "soft_cross_entropy:backward")
+def test_a_distillation_loss_fuses_and_trains_both_models(impl):
+    torch.manual_seed(0)
+    check_fusion(Distilled(), [torch.randn(ROWS, WIDTH)], counts={"loss": 1})
+
+
+def test_probability_targets_the_fused_loss_cannot_take_are_reported():
+    logits = torch.randn(2, VOCAB, 5, requires_grad=True)
+    check_fusion(
+        F.cross_entropy, [logits, probabilities((2, VOCAB, 5))], counts={"loss": 0},
+        missed=["rank 3"],
+    )  # fmt: skip
+
+
+def test_a_linear_before_probability_targets_stays_apart_and_says_why():
+    head = nn.Linear(WIDTH, VOCAB)
+
+    def loss(hidden, p):
+        return F.cross_entropy(head(hidden), p)
+
+    check_fusion(
+        loss, [torch.randn(ROWS, WIDTH, requires_grad=True), probabilities()], counts={"loss": 1},
+        missed=["class indices; against probability targets"],
+    )  # fmt: skip
