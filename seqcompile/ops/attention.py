@@ -212,10 +212,20 @@ def attention(
     prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     arguments = dict(locals())  # the schema's arguments by name (before any other local)
-    layout = _checked_layout(**arguments)
     impl = forward_kernels if runtime.use_kernels(q) else reference.forward
+    return _forward_through(impl, arguments)
+
+
+def _forward_through(impl, arguments: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward through `impl` (the kernels' launcher or the reference) on the 4-D views."""
+    layout = _checked_layout(**arguments)
     out, row_max, log_sum = impl(**_in4(layout, arguments))
     return out.view(*layout.result_batch, *out.shape[-2:]), row_max, log_sum
+
+
+def lower_forward(**arguments: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward on CPU in plain ATen (the registry's lowering): the reference."""
+    return _forward_through(reference.forward, arguments)
 
 
 @attention.register_fake
@@ -446,15 +456,26 @@ def attention_backward(
     """Returns (dq, dk, dv, dbias, drel) shaped as q, k, v, bias and rel_bias; dbias is empty
     unless `bias_grad`, drel unless `rel_grad`."""
     arguments = dict(locals())  # the schema's arguments by name (before any other local)
-    layout = Layout.of(q, k, v)
     impl = backward_kernels if runtime.use_kernels(q) else reference.backward
+    return _backward_through(impl, arguments)
+
+
+def _backward_through(impl, arguments: Mapping[str, Any]) -> tuple[Tensor, ...]:
+    """The backward through `impl` on the 4-D views, gradients summed back to the operands'."""
+    q, k, v, bias, rel_bias = (arguments[name] for name in ("q", "k", "v", "bias", "rel_bias"))
+    layout = Layout.of(q, k, v)
     dq, dk, dv, dbias, drel = impl(**_in4(layout, arguments))
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
     return (
         *grads,
-        layout.from4(dbias, bias) if bias_grad else dbias,
-        layout.from4(drel, rel_bias) if rel_grad else drel,
+        layout.from4(dbias, bias) if arguments["bias_grad"] else dbias,
+        layout.from4(drel, rel_bias) if arguments["rel_grad"] else drel,
     )
+
+
+def lower_backward(**arguments: Any) -> tuple[Tensor, ...]:
+    """The backward on CPU in plain ATen (the registry's lowering): the reference."""
+    return _backward_through(reference.backward, arguments)
 
 
 @attention_backward.register_fake
@@ -594,6 +615,10 @@ ENTRY = FusedOp(
     forward=torch.ops.seqfast.attention.default,
     backward=(torch.ops.seqfast.attention_backward.default,),
     reference=reference.forward,
+    lowering={
+        torch.ops.seqfast.attention.default: lower_forward,
+        torch.ops.seqfast.attention_backward.default: lower_backward,
+    },
     kernels={
         torch.ops.seqfast.attention.default: forward_kernels_of,
         torch.ops.seqfast.attention_backward.default: backward_kernels_of,

@@ -45,15 +45,28 @@ def rows(logits: Tensor) -> Tensor:
     )
 
 
+def _targets_valid(target: Tensor, vocab: int, ignore_index: int) -> tuple[Tensor, str]:
+    """Whether every target is in [0, vocab) or `ignore_index` (a 0-d bool tensor), and the
+    error's message where one is not."""
+    valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
+    message = f"cross-entropy: a target is outside [0, {vocab}) and is not ignore_index"
+    return valid.all(), message
+
+
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     """A target outside [0, vocab) that is not `ignore_index` is an error, as in eager: raised
     here on CPU, a device-side assert on CUDA (no host synchronization)."""
-    valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
-    message = f"cross-entropy: a target is outside [0, {vocab}) and is not ignore_index"
+    valid, message = _targets_valid(target, vocab, ignore_index)
     if target.is_cuda:
-        torch._assert_async(valid.all(), message)
-    elif not bool(valid.all()):
+        torch._assert_async(valid, message)
+    elif not bool(valid):
         raise IndexError(message)
+
+
+def assert_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+    """`check_targets` as an op in the graph (`aten._assert_async`), for the lowering: no host
+    branch on the targets' values, so it traces; a bad target is a RuntimeError when it runs."""
+    torch._assert_async(*_targets_valid(target, vocab, ignore_index))
 
 
 def over_no_classes(rows: int, smoothing: float, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -91,10 +104,40 @@ def reference_grad(
     x = logits.float()
     ignored = target == ignore_index
     d = torch.exp(x - lse.unsqueeze(1)) - smoothing / x.shape[-1]
-    rows_ = torch.arange(x.shape[0], device=x.device)
-    d[rows_, torch.where(ignored, 0, target)] -= torch.where(ignored, 0.0, 1.0 - smoothing)
+    # the target's column less 1 - smoothing, as a one-hot select rather than an index_put (the
+    # same subtraction where it hits, d - 0 elsewhere): pointwise given lse, no scatter
+    hit = torch.arange(x.shape[-1], device=x.device) == torch.where(ignored, 0, target)[:, None]
+    d = d - torch.where(hit, torch.where(ignored, 0.0, 1.0 - smoothing)[:, None], 0.0)
     g = torch.where(ignored, 0.0, grad.float())
     return (d * g.unsqueeze(1)).to(logits.dtype)
+
+
+def lower_forward(
+    logits: Tensor, target: Tensor, ignore_index: int, smoothing: float
+) -> tuple[Tensor, Tensor]:
+    """`cross_entropy` on CPU in plain ATen (the registry's lowering): the reference, the
+    targets checked by an op in the graph."""
+    assert_targets(target, logits.shape[1], ignore_index)
+    if logits.shape[1] == 0:
+        return over_no_classes(logits.shape[0], smoothing, logits.device)
+    return reference_rows(logits, target, ignore_index, smoothing)
+
+
+def lower_backward(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, smoothing: float
+) -> Tensor:
+    """`cross_entropy_backward` on CPU in plain ATen: the reference's gradient, contiguous."""
+    if logits.numel() == 0:  # no rows or no classes: no gradient to compute
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    dlogits = reference_grad(logits, target, lse, grad, ignore_index, smoothing)
+    return dlogits.contiguous()
+
+
+def lower_backward_in_place(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, smoothing: float
+) -> None:
+    """`cross_entropy_backward_in_place` on CPU: the gradient copied over the logits."""
+    logits.copy_(lower_backward(grad, logits, target, lse, ignore_index, smoothing))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,6 +293,11 @@ ENTRY = FusedOp(
     forward=torch.ops.seqfast.cross_entropy.default,
     backward=(torch.ops.seqfast.cross_entropy_backward.default,),
     reference=reference_rows,
+    lowering={
+        torch.ops.seqfast.cross_entropy.default: lower_forward,
+        torch.ops.seqfast.cross_entropy_backward.default: lower_backward,
+        torch.ops.seqfast.cross_entropy_backward_in_place.default: lower_backward_in_place,
+    },
     kernels={
         torch.ops.seqfast.cross_entropy.default: lambda call: [spec("forward")],
         torch.ops.seqfast.cross_entropy_backward.default: lambda call: [spec("backward")],

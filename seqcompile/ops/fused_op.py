@@ -1,10 +1,10 @@
 """What the compiler knows about one fused operator, declared once: `FusedOp` is a registry entry
-(its family, forward and backward ops, reference, the kernels each launches, its cost, what its
-backward keeps, its workspace, its in-place twin, its gradient-accumulation hook and its sample
-inputs), and `Call` reads a call of one of its ops by argument name. Every stage asks the entry
-(through `ops/registry.py`), and every piece of an op's glue (fake implementation, autograd,
-launcher) reads arguments through `Call`, `named`, `needs_grad` and `gradients`; nothing indexes
-a fused op's positional arguments.
+(its family, forward and backward ops, reference, CPU lowering, the kernels each launches, its
+cost, what its backward keeps, its workspace, its in-place twin, its gradient-accumulation hook
+and its sample inputs), and `Call` reads a call of one of its ops by argument name. Every stage
+asks the entry (through `ops/registry.py`), and every piece of an op's glue (fake implementation,
+autograd, launcher) reads arguments through `Call`, `named`, `needs_grad` and `gradients`;
+nothing indexes a fused op's positional arguments.
 """
 
 from __future__ import annotations
@@ -188,6 +188,12 @@ class FusedOp:
     (`python -m <module>`; `tests/test_benchmarks.py` runs it at toy sizes)."""
     backward: tuple[OpOverload, ...] = ()
     """The ops its backward graph calls."""
+    lowering: Mapping[OpOverload, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    """For each of its ops (forward, backward, in-place twin): what a call computes on CPU, in
+    plain ATen that `make_fx` traces at fake values (no data-dependent control flow, no
+    `seqfast` op), taking the op's arguments by schema name and returning what the op returns
+    (the same values, dtypes, shapes and strides as its fake implementation; a twin writes its
+    argument and returns None). `tests/ops/test_lowering.py` traces each on every sample."""
     flops: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)
     """For an op that does matmul-like work: the FLOPs of a call of it. An op absent is
     bandwidth-bound (it costs the bytes it moves)."""

@@ -136,6 +136,73 @@ def linear_cross_entropy(
     return loss, dh, dw.to(weight.dtype), db.to(dbias_dtype)
 
 
+def chunks(m: int | torch.SymInt, chunk: int) -> list[tuple[int, int]]:
+    """The (start, end) rows of each chunk the forward walks; one chunk of every row when the
+    number of rows is symbolic (a loop over it would fix it to its traced value)."""
+    if not isinstance(m, int):
+        return [(0, m)]
+    step = chunk if chunk > 0 else default_chunk(m)
+    return [(start, min(start + step, m)) for start in range(0, m, step)]
+
+
+def lower_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    mean: bool,
+    chunk: int,
+    compute_dtype: torch.dtype,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`linear_cross_entropy` on CPU in plain ATen (the registry's lowering): the op's chunks,
+    unrolled at the traced sizes, written functionally (the gradients of the hidden states
+    joined, the weight's and bias's summed), the targets checked by an op in the graph."""
+    m, d = hidden.shape
+    ce.assert_targets(target, weight.shape[0], ignore_index)
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+    b = bias.to(compute_dtype) if bias is not None else None
+    want_h, want_w, want_b = needs_grad
+    count = (target != ignore_index).sum()
+    scale = (1.0 / count).float() if mean else torch.ones((), device=hidden.device)
+    dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
+    db = torch.zeros((weight.shape[0],) if want_b else (0,), device=weight.device)
+    total = torch.zeros((), device=hidden.device)
+    dhs = []
+    for start, end in chunks(m, chunk):
+        rows = h[start:end]
+        logits = torch.mm(rows, w.t()) if b is None else torch.addmm(b, rows, w.t())
+        if weight.shape[0] == 0:  # no classes: every target is ignored, no gradient to write
+            loss, _ = ce.over_no_classes(end - start, smoothing, logits.device)
+            dlogits = logits
+        else:
+            loss, lse = ce.reference_rows(logits, target[start:end], ignore_index, smoothing)
+            dlogits = ce.reference_grad(
+                logits, target[start:end], lse, scale.expand(end - start), ignore_index, smoothing
+            )
+        total = total + loss.sum()
+        if want_h:
+            dhs.append(torch.mm(dlogits, w))
+        if want_w:
+            dw = torch.addmm(dw, dlogits.t().float(), rows.float())
+        if want_b:
+            db = db + dlogits.sum(0, dtype=torch.float32)
+    if want_h:
+        dh = torch.cat(dhs).to(hidden.dtype) if dhs else hidden.new_empty((m, d))
+    else:
+        dh = hidden.new_empty((0,))
+    loss = total * scale if mean else total
+    dbias_dtype = bias.dtype if bias is not None else torch.float32
+    return loss, dh, dw.to(weight.dtype), db.to(dbias_dtype)
+
+
+def scaled(grad: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor) -> tuple[Tensor, ...]:
+    """`linear_cross_entropy_backward` (and its lowering): each gradient times `grad`."""
+    return tuple((t * grad).to(t.dtype) for t in (dhidden, dweight, dbias))
+
+
 @linear_cross_entropy.register_fake
 @named(torch.ops.seqfast.linear_cross_entropy.default)
 def _(call: Call):
@@ -155,7 +222,7 @@ def linear_cross_entropy_backward(
     grad: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The forward's gradients times the incoming gradient of the loss."""
-    return tuple((t * grad).to(t.dtype) for t in (dhidden, dweight, dbias))
+    return scaled(grad, dhidden, dweight, dbias)
 
 
 @linear_cross_entropy_backward.register_fake
@@ -224,6 +291,10 @@ ENTRY = FusedOp(
     forward=torch.ops.seqfast.linear_cross_entropy.default,
     backward=(torch.ops.seqfast.linear_cross_entropy_backward.default,),
     reference=linear_cross_entropy,
+    lowering={
+        torch.ops.seqfast.linear_cross_entropy.default: lower_forward,
+        torch.ops.seqfast.linear_cross_entropy_backward.default: scaled,
+    },
     kernels={
         torch.ops.seqfast.linear_cross_entropy.default: lambda call: [ce.spec("forward_grad")],
         torch.ops.seqfast.linear_cross_entropy_backward.default: lambda call: [],

@@ -370,6 +370,10 @@ ENTRY = FusedOp(
     forward=torch.ops.seqfast.add_norm.default,
     backward=(torch.ops.seqfast.add_norm_backward.default,),
     reference=reference.forward,
+    lowering={  # the reference, which traces as it is
+        torch.ops.seqfast.add_norm.default: reference.forward,
+        torch.ops.seqfast.add_norm_backward.default: reference.backward,
+    },
     kernels={
         torch.ops.seqfast.add_norm.default: forward_kernels_of,
         torch.ops.seqfast.add_norm_backward.default: backward_kernels_of,

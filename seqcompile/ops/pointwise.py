@@ -283,34 +283,49 @@ def pointwise_backward(
     region's shape; `saved` holds the inputs the plan reads, `grads` the terms of the output
     gradients (`grad_terms[j]` of them for output j, summed in the kernel), `written` the outputs
     whose summed gradient is written too, and `dtypes` the dtype code of each computed value."""
+    if not runtime.use_kernels(grads[0]):
+        return backward_reference(
+            saved, grads, seed, stream, region, needs_grad, grad_terms, written, dtypes
+        )
     plan_key = (tuple(needs_grad), tuple(grad_terms), tuple(written))
     plan = regions.backward_plan(region, *plan_key)
     program = regions.lookup(region)
     shape = grads[0].shape
     out_dtypes = [DTYPE_CODES[c] for c in dtypes]
     device = grads[0].device
-    if runtime.use_kernels(grads[0]):
-        outputs = {
-            f"DIN{j}": runtime.empty(tuple(shape), d, device) for j, d in enumerate(out_dtypes)
-        }
-        if math.prod(shape) > 0 and outputs:
-            saved_index = [i for i, s in enumerate(plan.saved) if s]
-            tensors = {f"IN{i}": t for i, t in zip(saved_index, saved, strict=True)}
-            tensors.update({f"GRAD{j}": g for j, g in enumerate(grads)})
-            extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
-            _launch(
-                lambda layouts, rank: backward_spec(region, plan_key, layouts, rank),
-                tensors,
-                shape,
-                outputs,
-                extra,
-            )
-        return list(outputs.values())
-    return _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dtypes)
+    outputs = {f"DIN{j}": runtime.empty(tuple(shape), d, device) for j, d in enumerate(out_dtypes)}
+    if math.prod(shape) > 0 and outputs:
+        saved_index = [i for i, s in enumerate(plan.saved) if s]
+        tensors = {f"IN{i}": t for i, t in zip(saved_index, saved, strict=True)}
+        tensors.update({f"GRAD{j}": g for j, g in enumerate(grads)})
+        extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
+        _launch(
+            lambda layouts, rank: backward_spec(region, plan_key, layouts, rank),
+            tensors,
+            shape,
+            outputs,
+            extra,
+        )
+    return list(outputs.values())
 
 
-def _backward_reference(program, plan, saved, grads, seed, stream, shape, out_dtypes):
-    """Run the derived graph with the captured dtypes on inputs expanded to the region's shape."""
+def backward_reference(
+    saved: list[Tensor],
+    grads: list[Tensor],
+    seed: Tensor | None,
+    stream: int,
+    region: str,
+    needs_grad: list[bool],
+    grad_terms: list[int],
+    written: list[bool],
+    dtypes: list[int],
+) -> list[Tensor]:
+    """`pointwise_backward` on CPU: the derived graph run with the captured dtypes on inputs
+    expanded to the region's shape, masks drawn from the seed as the kernel draws them."""
+    plan = regions.backward_plan(region, tuple(needs_grad), tuple(grad_terms), tuple(written))
+    program = regions.lookup(region)
+    shape = grads[0].shape
+    out_dtypes = [DTYPE_CODES[c] for c in dtypes]
     saved_iter = iter(saved)
     inputs = [
         next(saved_iter).to(dtype).expand(shape) if keep else None
@@ -410,6 +425,10 @@ ENTRY = FusedOp(
     forward=torch.ops.seqfast.pointwise.default,
     backward=(torch.ops.seqfast.pointwise_backward.default,),
     reference=reference,
+    lowering={  # the references, which trace as they are (the region's graphs are ATen)
+        torch.ops.seqfast.pointwise.default: reference,
+        torch.ops.seqfast.pointwise_backward.default: backward_reference,
+    },
     kernels={
         torch.ops.seqfast.pointwise.default: forward_kernels_of,
         torch.ops.seqfast.pointwise_backward.default: backward_kernels_of,

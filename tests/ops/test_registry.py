@@ -206,6 +206,7 @@ def test_every_entry_names_its_ops_and_kernels():
     for entry in registry.ENTRIES:
         assert entry.forward in entry.kernels
         assert all(op in entry.kernels for op in entry.ops), entry.name
+        assert all(op in entry.lowering for op in entry.ops), f"{entry.name}: a lowering per op"
         assert all(registry.entry_of(op) is entry for op in entry.ops)
         assert entry.saves and entry.reference is not None
         assert entry.samples is not None, f"{entry.name} declares no sample inputs"
