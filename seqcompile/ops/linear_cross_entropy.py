@@ -146,16 +146,7 @@ def chunks(m: int | torch.SymInt, chunk: int) -> list[tuple[int, int]]:
 
 
 def lower_forward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    target: Tensor,
-    ignore_index: int,
-    smoothing: float,
-    mean: bool,
-    chunk: int,
-    compute_dtype: torch.dtype,
-    needs_grad: list[bool],
+    hidden, weight, bias, target, ignore_index, smoothing, mean, chunk, compute_dtype, needs_grad
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`linear_cross_entropy` on CPU in plain ATen (the registry's lowering): the op's chunks,
     unrolled at the traced sizes, written functionally (the gradients of the hidden states

@@ -310,15 +310,7 @@ def pointwise_backward(
 
 
 def backward_reference(
-    saved: list[Tensor],
-    grads: list[Tensor],
-    seed: Tensor | None,
-    stream: int,
-    region: str,
-    needs_grad: list[bool],
-    grad_terms: list[int],
-    written: list[bool],
-    dtypes: list[int],
+    saved, grads, seed, stream, region, needs_grad, grad_terms, written, dtypes
 ) -> list[Tensor]:
     """`pointwise_backward` on CPU: the derived graph run with the captured dtypes on inputs
     expanded to the region's shape, masks drawn from the seed as the kernel draws them."""
