@@ -198,6 +198,13 @@ def test_the_accumulation_ops_lower_to_plain_aten():
         leaves = [t.clone() for t in tensors]
         gm(*leaves)
         torch.testing.assert_close(leaves[0], expected, rtol=0, atol=0, msg=str(op))
+    # the embedding rows' sum is the one that leaves the padding's rows out
+    rows_op = torch.ops.seqfast.accumulate_rows_.default
+    added = grad.clone()
+    rows_op(added, **calls[rows_op])
+    rows, keep = calls[rows_op]["rows"].reshape(-1, 3), indices.reshape(-1) != 2
+    left_out = grad.clone().index_put_((indices.reshape(-1)[keep],), rows[keep], accumulate=True)
+    torch.testing.assert_close(added, left_out, rtol=0, atol=0, msg="the padding's rows")
 
 
 def test_the_fused_loss_lowers_to_one_chunk_at_symbolic_sizes():
