@@ -126,8 +126,9 @@ def soft_cross_entropy_backward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The gradients of the logits and (when `target_grad`; else an empty tensor) of the
     targets, each in its input's dtype, for incoming per-row gradients `grad`."""
-    if logits.numel() == 0 or not runtime.use_kernels(logits):
-        return reference_grads(grad, logits, target, lse, mass, smoothing, target_grad)
+    if logits.numel() == 0 or not runtime.use_kernels(logits):  # contiguous, as the fake says
+        grads = reference_grads(grad, logits, target, lse, mass, smoothing, target_grad)
+        return tuple(g.contiguous() for g in grads)
     dlogits = runtime.empty(tuple(logits.shape), logits.dtype, logits.device)
     shape = tuple(target.shape) if target_grad else (0,)
     dtarget = runtime.empty(shape, target.dtype, target.device)

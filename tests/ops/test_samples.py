@@ -2,7 +2,9 @@
 paths (the reference on CPU, the generated kernels under Triton's interpreter) and, in the GPU
 tier, compiled on CUDA, forward and every gradient, against the sample's eager composition in
 float64, with every kernel output poisoned (NaN) before it is written and NaN expected exactly
-where eager gives NaN.
+where eager gives NaN. Every `seqfast` op the sample calls (forward, backward, in-place twin) must
+give each output the shape, dtype and strides its fake implementation promises, which compiled
+graphs are planned and compiled by.
 
 The sweep crosses each sample with each layout (`ops/samples.py`: transposed, strided, expanded,
 at an offset, a window of a larger tensor) of each tensor argument. The default tier runs every
@@ -14,10 +16,14 @@ without a test of their own."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from conftest import TOLERANCES
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from seqcompile.codegen import counting_launches
 from seqcompile.ops import registry
@@ -93,8 +99,10 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
     tensors = dict(tensor_slots(args))
     wide = {slot: _wide(t, slot in sample.grads) for slot, t in tensors.items()}
     expected = list(sample.eager(**replace_slots(args, lambda slot, _: wide[slot])))
-    with counting_launches() as launches:
+    calls = SeqfastCalls()
+    with counting_launches() as launches, calls:
         result = entry.forward(**args)
+    calls.assert_fakes_agree()
     if path != "reference":  # checked first: an output the reference gives fails for this reason
         missing = [name for name in _forward_kernels(entry, sample) if not launches.of(name)]
         assert not missing, f"kernels {missing} were never launched"
@@ -107,10 +115,12 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
         return
     g = torch.Generator().manual_seed(7)
     cotangents = [torch.randn(a.shape, generator=g).to(device) for a, _ in differentiable]
-    actual_grads = torch.autograd.grad(
-        [a for a, _ in differentiable], [tensors[s] for s in sample.grads], cotangents,
-        allow_unused=True,
-    )  # fmt: skip
+    with calls:
+        actual_grads = torch.autograd.grad(
+            [a for a, _ in differentiable], [tensors[s] for s in sample.grads], cotangents,
+            allow_unused=True,
+        )  # fmt: skip
+    calls.assert_fakes_agree()
     expected_grads = torch.autograd.grad(
         [e for _, e in differentiable], [wide[s] for s in sample.grads],
         [c.double() for c in cotangents], allow_unused=True,
@@ -122,6 +132,46 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
         assert actual is not None, f"d{slot}: none, where eager gives {tuple(want.shape)}"
         assert actual.dtype == tensors[slot].dtype, f"d{slot}: dtype {actual.dtype}"
         _compare(actual, want, f"d{slot}")
+
+
+class SeqfastCalls(TorchDispatchMode):
+    """Records each call of a `seqfast` op (forward, backward, in-place twin) below autograd, to
+    check that its fake implementation, which compiled graphs are planned by, gives each output
+    the shape, dtype and strides the call gave it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func.namespace == "seqfast":
+            self.calls.append((func, args, kwargs, result))
+        return result
+
+    def assert_fakes_agree(self) -> None:
+        for func, args, kwargs, result in self.calls:
+            with FakeTensorMode() as mode:
+                fake_args, fake_kwargs = tree_map_only(
+                    torch.Tensor, mode.from_tensor, (args, kwargs)
+                )
+                fake = func(*fake_args, **fake_kwargs)
+            outputs = zip(tree_leaves(result), tree_leaves(fake), strict=True)
+            for i, (real, faked) in enumerate(outputs):
+                where = f"{func} output {i}"
+                assert (real.shape, real.dtype) == (faked.shape, faked.dtype), where
+                assert _strides(real) == _strides(faked), (
+                    f"{where}: strides {real.stride()}, fake {faked.stride()}"
+                )
+        self.calls.clear()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that matter: those of dimensions of size > 1 (none when `t` is empty)."""
+    if t.numel() == 0:
+        return ()
+    return tuple(stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)
 
 
 def _compare(actual: torch.Tensor, want: torch.Tensor, name: str) -> None:
