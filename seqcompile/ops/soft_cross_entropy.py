@@ -63,6 +63,16 @@ def reference_grads(
     return dlogits.to(logits.dtype), dtarget.to(target.dtype)
 
 
+def lower_backward(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, mass: Tensor, smoothing: float,
+    target_grad: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`soft_cross_entropy_backward` on CPU in plain ATen (the registry's lowering, and the op's
+    own CPU path): the reference's gradients, contiguous as the fake implementation makes them."""
+    grads = reference_grads(grad, logits, target, lse, mass, smoothing, target_grad)
+    return grads[0].contiguous(), grads[1].contiguous()
+
+
 # --------------------------------------------------------------------------------------------
 # kernels
 
@@ -126,9 +136,8 @@ def soft_cross_entropy_backward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The gradients of the logits and (when `target_grad`; else an empty tensor) of the
     targets, each in its input's dtype, for incoming per-row gradients `grad`."""
-    if logits.numel() == 0 or not runtime.use_kernels(logits):  # contiguous, as the fake says
-        grads = reference_grads(grad, logits, target, lse, mass, smoothing, target_grad)
-        return tuple(g.contiguous() for g in grads)
+    if logits.numel() == 0 or not runtime.use_kernels(logits):
+        return lower_backward(grad, logits, target, lse, mass, smoothing, target_grad)
     dlogits = runtime.empty(tuple(logits.shape), logits.dtype, logits.device)
     shape = tuple(target.shape) if target_grad else (0,)
     dtarget = runtime.empty(shape, target.dtype, target.device)
@@ -185,6 +194,10 @@ ENTRY = FusedOp(
     forward=OP,
     backward=(torch.ops.seqfast.soft_cross_entropy_backward.default,),
     reference=reference_rows,
+    lowering={
+        OP: reference_rows,
+        torch.ops.seqfast.soft_cross_entropy_backward.default: lower_backward,
+    },
     kernels={
         OP: lambda call: [spec("forward")],
         torch.ops.seqfast.soft_cross_entropy_backward.default: lambda call: [
