@@ -30,6 +30,7 @@ from seqcompile import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
 from seqcompile.fx_utils import has_symbols
+from seqcompile.lower_cpu import inline_lowerings
 from seqcompile.memory.passes import PASSES, Plan, plan_inference
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -239,6 +240,9 @@ def _executable(
     state.dump.stage(f"lower_{kind}", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
+
+        if inline_lowerings(gm, example_inputs):
+            state.dump.stage(f"lower_{kind}_inlined", gm)
 
         compiled = compile_fx_inner(
             gm,

@@ -1,0 +1,134 @@
+"""Stage 6 on CPU with `rest="inductor"`: each fused call in a planned graph is replaced by its
+lowering (`FusedOp.lowering`; `ops/accumulate.py`'s `LOWERINGS` for the gradient accumulation ops),
+plain ATen traced at the call's fake values, so Inductor compiles the fused operators' CPU math
+with its neighbours instead of calling the opaque op, which would run its reference op by op.
+
+It runs after the memory plan: the graph's inputs and outputs, and so what the backward keeps,
+stay the plan's. Each replaced output must keep the shape, dtype and strides of the call's fake
+value, or the compile stops with the reason."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functionalize
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from seqcompile.fx_utils import same_shape
+from seqcompile.ops import accumulate, registry
+from seqcompile.ops.fused_op import Call
+from seqcompile.run import runtime
+
+__all__ = ["inline_lowerings", "lowering_of"]
+
+
+def lowering_of(target: Any) -> Callable[..., Any] | None:
+    """The plain-ATen body of a `seqfast` op, by its arguments' names (None for any other op)."""
+    if target in accumulate.LOWERINGS:
+        return accumulate.LOWERINGS[target]
+    entry = registry.entry_of(target)
+    return None if entry is None else entry.lowering.get(target)
+
+
+def inline_lowerings(gm: GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+    """Replace every fused call in `gm` by its traced lowering; the names of the ops replaced,
+    in order."""
+    fake_mode = _fake_mode(gm, example_inputs)
+    lowered = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        body = lowering_of(node.target)
+        if body is None or not _on_cpu(node):
+            continue
+        _inline(gm, node, body, fake_mode)
+        lowered.append(str(node.target))
+    if lowered:
+        gm.recompile()
+    return lowered
+
+
+def _on_cpu(node: Node) -> bool:
+    """Whether `node`'s tensors are CPU tensors whose fused op would run its reference (not the
+    kernels under the interpreter)."""
+    values = [a.meta.get("val") for a in node.all_input_nodes]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(runtime.executor_lowers(t) for t in tensors)
+
+
+def _fake_mode(gm: GraphModule, example_inputs: Sequence[Any]) -> FakeTensorMode:
+    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([*example_inputs, *values]) or FakeTensorMode()
+
+
+def _inline(gm: GraphModule, node: Node, body: Callable[..., Any], fake_mode: Any) -> None:
+    call = Call.of(node)
+    leaves, spec = tree_flatten({name: call[name] for name in call})
+    where = [i for i, value in enumerate(leaves) if isinstance(value, Node)]
+
+    def flat(*tensors: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            filled[i] = t
+        return body(**tree_unflatten(filled, spec))
+
+    fakes = [leaves[i].meta["val"] for i in where]
+    with fake_mode:
+        traced = make_fx(
+            functionalize(flat, remove="mutations_and_views"),
+            select_decomp_table(),
+            tracing_mode="real",
+        )(*fakes)
+    graph = gm.graph
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    copies = dict(zip(placeholders, [leaves[i] for i in where], strict=True))
+    with graph.inserting_before(node):
+        result = graph.graph_copy(traced.graph, copies)
+    stack = node.meta.get("stack_trace")
+    for original in traced.graph.nodes:
+        copied = copies.get(original)
+        if copied is not None and original.op == "call_function" and stack is not None:
+            copied.meta.setdefault("stack_trace", stack)
+    _replace_outputs(node, result)
+    graph.erase_node(node)
+
+
+def _replace_outputs(node: Node, result: Any) -> None:
+    """Point the readers of `node` (a tensor, or `getitem`s of a tuple) at `result`'s nodes,
+    each checked against the fake value it replaces."""
+    if not node.users:
+        return
+    values = list(result) if isinstance(result, tuple | list) else [result]
+    if len(values) == 1 and not isinstance(node.meta.get("val"), tuple | list):
+        _check_like(values[0], node.meta.get("val"), str(node.target))
+        node.replace_all_uses_with(values[0])
+        return
+    for user in list(node.users):
+        index = user.args[1]
+        _check_like(values[index], user.meta.get("val"), f"{node.target} output {index}")
+        user.replace_all_uses_with(values[index])
+        user.graph.erase_node(user)
+
+
+def _check_like(new: Node, old: Any, name: str) -> None:
+    value = new.meta.get("val")
+    if not isinstance(old, torch.Tensor) or not isinstance(value, torch.Tensor):
+        return
+    same = value.dim() == old.dim() and same_shape(value, old) and value.dtype == old.dtype
+    if same and not statically_known_true(old.numel() == 0):
+        dims = [d for d in range(old.dim()) if not statically_known_true(old.shape[d] == 1)]
+        same = all(statically_known_true(value.stride(d) == old.stride(d)) for d in dims)
+    if not same:
+        raise RuntimeError(
+            f"the CPU lowering of {name} gives shape {tuple(value.shape)}, dtype {value.dtype},"
+            f" strides {value.stride()} where the op gives {tuple(old.shape)}, {old.dtype},"
+            f" {old.stride()}"
+        )

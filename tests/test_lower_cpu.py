@@ -1,0 +1,80 @@
+"""On CPU with `rest="inductor"`, Inductor receives the fused operators' lowerings inlined, never an
+opaque `seqfast` call, and computes what the opaque calls compute, with the same random numbers and
+the same graph outputs (what the backward keeps); with `rest="eager"`, or the kernels under the
+interpreter, the fused calls stay."""
+
+import pytest
+import torch
+import torch._inductor.compile_fx as compile_fx
+from conftest import TOLERANCES
+
+import seqcompile.backend as backend
+from seqcompile.demo import GPT, GPTConfig, toy_batch
+
+COMPILE_FX_INNER = compile_fx.compile_fx_inner
+CONFIG = GPTConfig(vocab=64, max_len=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+
+
+def _batch():
+    return toy_batch(CONFIG, 2, 16, torch.device("cpu"), torch.Generator().manual_seed(0))
+
+
+def _seqfast_calls(gm: torch.fx.GraphModule) -> list[str]:
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "seqfast"
+    ]
+
+
+def _step(monkeypatch, rest: str):
+    """One training step of a seeded GPT with dropout: the loss, the gradients, and the graphs
+    Inductor was given (name, opaque seqfast calls, output metadata)."""
+    given = []
+
+    def spy(gm, example_inputs, **kwargs):
+        (output,) = gm.graph.find_nodes(op="output")
+        values = [getattr(a, "meta", {}).get("val") for a in output.args[0]]
+        meta = [(tuple(v.shape), v.dtype, v.stride()) for v in values if torch.is_tensor(v)]
+        given.append((_seqfast_calls(gm), meta))
+        return COMPILE_FX_INNER(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="seqfast", options={"rest": rest})
+    torch.manual_seed(1)
+    loss = compiled(*_batch())
+    loss.backward()
+    torch._dynamo.reset()
+    return loss.detach(), [p.grad for p in model.parameters()], given
+
+
+def test_inductor_gets_the_lowerings_and_computes_what_the_opaque_calls_compute(monkeypatch):
+    loss, grads, given = _step(monkeypatch, "inductor")
+    assert len(given) >= 2, "a forward and a backward"
+    assert all(not calls for calls, _ in given), [calls for calls, _ in given]
+    with monkeypatch.context() as opaque:
+        opaque.setattr(backend, "inline_lowerings", lambda gm, example_inputs: [])
+        want_loss, want_grads, kept = _step(opaque, "inductor")
+    assert any(calls for calls, _ in kept), "without the lowering the calls reach Inductor"
+    assert [meta for _, meta in given] == [meta for _, meta in kept], "the graphs' outputs"
+    torch.testing.assert_close(loss, want_loss, **TOLERANCES[torch.float32])
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+def test_the_eager_executor_runs_the_fused_calls(monkeypatch):
+    def refuse(gm, example_inputs):
+        raise AssertionError("lowered for the eager executor")
+
+    monkeypatch.setattr(backend, "inline_lowerings", refuse)
+    loss, _, given = _step(monkeypatch, "eager")
+    assert not given and torch.isfinite(loss)
+
+
+@pytest.mark.kernels("attention_fwd", "add_norm_fwd", "pointwise")
+def test_kernels_under_the_interpreter_stay_opaque_to_inductor(interpret, monkeypatch):
+    _, _, given = _step(monkeypatch, "inductor")
+    forward_calls = given[0][0]
+    assert "seqfast.attention.default" in forward_calls, forward_calls
