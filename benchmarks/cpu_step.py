@@ -1,0 +1,140 @@
+"""A float32 training step on CPU (forward, backward, AdamW) of the demo GPT and of a 4-layer, d-256
+GPT on 8 x 128 tokens, dropout 0.1: eager, Inductor, and seqfast handing the rest to Inductor and
+to eager, timed interleaved in one process (each round times one step of each, in a rotating
+order), median step time and the ratios to Inductor and to eager.
+
+    python -m benchmarks.cpu_step [--quick] [--no-inductor] [--output FILE]
+
+Each executor's loss with dropout off is checked against eager's before it is timed; one that
+disagrees or raises is marked FAILED, not timed, and the run exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import add_size_options, brief, emit, header, progress, table
+from seqcompile.demo import GPT, GPTConfig, toy_batch
+
+MODELS = {
+    "demo GPT": (GPTConfig(), 8, 32),
+    "4 layers, d 256": (
+        GPTConfig(vocab=2048, max_len=128, d_model=256, n_heads=4, n_layers=4), 8, 128,
+    ),
+}  # fmt: skip
+"""Model, batch and length."""
+QUICK = {"tiny GPT": (GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2), 2, 16)}
+EXECUTORS = {
+    "eager": lambda m: m,
+    "inductor": torch.compile,
+    "seqfast": lambda m: torch.compile(m, backend="seqfast", options={"rest": "inductor"}),
+    "seqfast, rest eager": lambda m: torch.compile(m, backend="seqfast", options={"rest": "eager"}),
+}
+
+
+@dataclasses.dataclass
+class Runner:
+    """One executor's copy of the model, its optimizer and its step times."""
+
+    model: torch.nn.Module
+    step_model: object
+    optimizer: torch.optim.Optimizer
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        start = time.perf_counter()
+        loss = self.step_model(idx, targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+
+def eval_loss(step_model, model, idx, targets) -> float:
+    """The loss with dropout off (the executors' dropout masks differ by design)."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return float(step_model(idx, targets))
+    finally:
+        model.train()
+
+
+def bench(name, config, batch, length, executors, *, warmup, rounds):
+    torch.manual_seed(0)
+    base = GPT(config)
+    data = toy_batch(config, batch, length, torch.device("cpu"), torch.Generator().manual_seed(0))
+    runners, notes = {}, {}
+    reference = None
+    for executor, wrap in executors.items():
+        model = copy.deepcopy(base)
+        try:
+            step_model = wrap(model)
+            loss = eval_loss(step_model, model, *data)
+            if reference is None:
+                reference, notes[executor] = loss, "the reference"
+            elif abs(loss - reference) > 1e-4 * abs(reference):
+                raise AssertionError(f"loss {loss} with dropout off, eager {reference}")
+            else:
+                notes[executor] = "checked"
+            runner = Runner(model, step_model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+            for _ in range(warmup):
+                runner.step(*data)
+            runners[executor] = runner
+        except (RuntimeError, AssertionError) as error:
+            notes[executor] = f"FAILED: {brief(error, 100)}"
+    order = list(runners)
+    for r in range(rounds):
+        for executor in order[r % len(order) :] + order[: r % len(order)]:
+            runners[executor].seconds.append(runners[executor].step(*data))
+    ms = {e: 1e3 * statistics.median(runner.seconds) for e, runner in runners.items()}
+    rows = []
+    for executor in executors:
+        took = ms.get(executor, "-")
+        bases = ("inductor", "eager")
+        ratios = [took / ms[b] if executor in ms and b in ms else "" for b in bases]
+        rows.append([name, f"{batch} x {length}", executor, took, *ratios, notes[executor]])
+        progress(rows[-1])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_size_options(parser)
+    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
+    parser.add_argument("--output", help="append the markdown table to this file")
+    args = parser.parse_args()
+    executors = dict(EXECUTORS)
+    if args.no_inductor:  # nothing compiles with Inductor: seqfast hands the rest to eager
+        executors = {"eager": EXECUTORS["eager"], "seqfast": EXECUTORS["seqfast, rest eager"]}
+    models = QUICK if args.quick else MODELS
+    warmup, rounds = (1, 2) if args.quick else (3, 7)
+    lines = header("Training step on CPU", torch.device("cpu"), "benchmarks.cpu_step")
+    lines += [
+        f"float32; {torch.get_num_threads()} threads on {os.cpu_count()} cores"
+        f" ({platform.processor() or platform.machine()}); median of {rounds} interleaved steps"
+        f" after {warmup} warm-up steps each; dropout 0.1."
+        + (" Without Inductor: seqfast hands the rest to eager." if args.no_inductor else ""),
+        "",
+    ]
+    rows = []
+    for name, (config, batch, length) in models.items():
+        rows += bench(name, config, batch, length, executors, warmup=warmup, rounds=rounds)
+    columns = ["model", "tokens", "executor", "step ms", "/ inductor", "/ eager", "check"]
+    lines += table(columns, rows)
+    emit(lines, args.output)
+    failed = sum(str(row[-1]).startswith("FAILED") for row in rows)
+    if failed:
+        raise SystemExit(f"benchmarks.cpu_step: {failed} executors failed; see the check column")
+
+
+if __name__ == "__main__":
+    main()
