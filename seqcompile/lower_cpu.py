@@ -1,7 +1,8 @@
 """Stage 6 on CPU with `rest="inductor"`: each fused call in a planned graph is replaced by its
-lowering (`FusedOp.lowering`; `ops/accumulate.py`'s `LOWERINGS` for the gradient accumulation ops),
-plain ATen traced at the call's fake values, so Inductor compiles the fused operators' CPU math
-with its neighbours instead of calling the opaque op, which would run its reference op by op.
+lowering (`FusedOp.lowering`), plain ATen traced at the call's fake values, so Inductor compiles
+the fused operators' CPU math with its neighbours instead of calling the opaque op, which would
+run its reference op by op. The gradient-accumulation ops (`ops/accumulate.py`) stay calls: each
+is one in-place ATen op on a parameter's `.grad`, which Inductor runs as it is.
 
 It runs after the memory plan: the graph's inputs and outputs, and so what the backward keeps,
 stay the plan's. Each replaced output must keep the shape, dtype and strides of the call's fake
@@ -23,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from seqcompile.fx_utils import same_shape
-from seqcompile.ops import accumulate, registry
+from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.run import runtime
 
@@ -32,8 +33,6 @@ __all__ = ["inline_lowerings", "lowering_of"]
 
 def lowering_of(target: Any) -> Callable[..., Any] | None:
     """The plain-ATen body of a `seqfast` op, by its arguments' names (None for any other op)."""
-    if target in accumulate.LOWERINGS:
-        return accumulate.LOWERINGS[target]
     entry = registry.entry_of(target)
     return None if entry is None else entry.lowering.get(target)
 

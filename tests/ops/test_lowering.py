@@ -1,10 +1,9 @@
-"""Each fused op's CPU lowering (`FusedOp.lowering`; `accumulate.LOWERINGS` for the gradient
-accumulation ops) traced with `make_fx` at fake values, on every registry entry's contiguous
-samples: the forward as the sample calls it, and each backward op (and in-place twin) with the
-arguments its autograd gives it after a real forward. The trace must hold plain ATen only (no
-`seqfast` op, nothing whose result depends on the data's values), and running it must give what
-the op gives (which on CPU is the reference), with the dtypes, shapes and strides of the op's fake
-implementation."""
+"""Each fused op's CPU lowering (`FusedOp.lowering`) traced with `make_fx` at fake values, on every
+registry entry's contiguous samples: the forward as the sample calls it, and each backward op
+(and in-place twin) with the arguments its autograd gives it after a real forward. The trace must
+hold plain ATen only (no `seqfast` op, nothing whose result depends on the data's values), and
+running it must give what the op gives (which on CPU is the reference), with the dtypes, shapes
+and strides of the op's fake implementation."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from seqcompile.ops import accumulate, registry
+from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.samples import Sample, replace_slots, tensor_slots
 
@@ -169,42 +168,6 @@ def test_lowering_traces_to_plain_aten_and_computes_the_reference(entry: FusedOp
         _check_op(entry, op, *detached)
         if entry.in_place is not None and op is entry.in_place.functional:
             _check_twin(entry, *detached)
-
-
-def test_the_accumulation_ops_lower_to_plain_aten():
-    """Each gradient-accumulation op's lowering traces without data-dependent ops and adds what
-    the op adds; the embedding rows' one leaves the padding index out without boolean indexing."""
-    g = torch.Generator().manual_seed(0)
-    grad = torch.randn(5, 3, generator=g)
-    indices = torch.tensor([[0, 2, 2], [4, 1, 2]])
-    calls = {
-        torch.ops.seqfast.accumulate_matmul_.default: dict(
-            a=torch.randn(5, 4, generator=g), b=torch.randn(4, 3, generator=g)
-        ),
-        torch.ops.seqfast.accumulate_scaled_.default: dict(
-            update=torch.randn(5, 3, generator=g), scale=torch.tensor(0.25)
-        ),
-        torch.ops.seqfast.accumulate_rows_.default: dict(
-            rows=torch.randn(2, 3, 3, generator=g), indices=indices, padding_idx=2
-        ),
-        torch.ops.seqfast.accumulate_.default: dict(update=torch.randn(5, 3, generator=g)),
-    }
-    assert set(calls) == set(accumulate.LOWERINGS)
-    for op, arguments in calls.items():
-        expected = grad.clone()
-        op(expected, **arguments)
-        gm, tensors, _ = _traced(accumulate.LOWERINGS[op], {"grad": grad, **arguments})
-        _check_plain(gm, str(op))
-        leaves = [t.clone() for t in tensors]
-        gm(*leaves)
-        torch.testing.assert_close(leaves[0], expected, rtol=0, atol=0, msg=str(op))
-    # the embedding rows' sum is the one that leaves the padding's rows out
-    rows_op = torch.ops.seqfast.accumulate_rows_.default
-    added = grad.clone()
-    rows_op(added, **calls[rows_op])
-    rows, keep = calls[rows_op]["rows"].reshape(-1, 3), indices.reshape(-1) != 2
-    left_out = grad.clone().index_put_((indices.reshape(-1)[keep],), rows[keep], accumulate=True)
-    torch.testing.assert_close(added, left_out, rtol=0, atol=0, msg="the padding's rows")
 
 
 def test_the_fused_loss_lowers_to_one_chunk_at_symbolic_sizes():
