@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 from conftest import assert_close
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from seqcompile.backend import seqfast
 from seqcompile.demo import GPTConfig, toy_batch
@@ -189,3 +190,43 @@ def attention_flags(spec: Any) -> dict[str, bool]:
     key = dict(spec.key)
     key["score_mod"] = bool(key["score_mod"])
     return key
+
+
+class SeqfastCalls(TorchDispatchMode):
+    """Records each call of a `seqfast` op (forward, backward, in-place twin) below autograd, to
+    check that its fake implementation, which compiled graphs are planned by, gives each output
+    the shape, dtype and strides the call gave it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func.namespace == "seqfast":
+            self.calls.append((func, args, kwargs, result))
+        return result
+
+    def assert_fakes_agree(self) -> None:
+        for func, args, kwargs, result in self.calls:
+            with FakeTensorMode() as mode:
+                fake_args, fake_kwargs = tree_map_only(
+                    torch.Tensor, mode.from_tensor, (args, kwargs)
+                )
+                fake = func(*fake_args, **fake_kwargs)
+            outputs = zip(tree_leaves(result), tree_leaves(fake), strict=True)
+            for i, (real, faked) in enumerate(outputs):
+                where = f"{func} output {i}"
+                assert (real.shape, real.dtype) == (faked.shape, faked.dtype), where
+                assert _strides(real) == _strides(faked), (
+                    f"{where}: strides {real.stride()}, fake {faked.stride()}"
+                )
+        self.calls.clear()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that matter: those of dimensions of size > 1 (none when `t` is empty)."""
+    if t.numel() == 0:
+        return ()
+    return tuple(stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)

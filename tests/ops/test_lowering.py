@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from checks import SeqfastCalls
 from conftest import TOLERANCES
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from seqcompile.ops import registry
@@ -31,21 +31,6 @@ DATA_DEPENDENT = {
 }  # fmt: skip
 """Ops whose result's size or a host value depends on the data (any other op whose sizes do is
 found by its unbacked symbols)."""
-
-
-class _Calls(TorchDispatchMode):
-    """Records each call of a `seqfast` op below autograd: (op, args, kwargs, result)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Any, tuple, dict, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func.namespace == "seqfast":
-            self.calls.append((func, args, kwargs, result))
-        return result
 
 
 def _cases():
@@ -147,7 +132,7 @@ def test_lowering_traces_to_plain_aten_and_computes_the_reference(entry: FusedOp
         sample.args,
         lambda slot, t: t.clone().requires_grad_(slot in sample.grads and t.is_floating_point()),
     )
-    with _Calls() as recorded:
+    with SeqfastCalls() as recorded:
         result = entry.forward(**args)
         outputs = [_as_list(result)[i] for i in sample.outputs]
         differentiable = [o for o in outputs if o.requires_grad]

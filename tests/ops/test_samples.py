@@ -16,14 +16,11 @@ without a test of their own."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
+from checks import SeqfastCalls
 from conftest import TOLERANCES
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from seqcompile.codegen import counting_launches
 from seqcompile.ops import registry
@@ -132,46 +129,6 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
         assert actual is not None, f"d{slot}: none, where eager gives {tuple(want.shape)}"
         assert actual.dtype == tensors[slot].dtype, f"d{slot}: dtype {actual.dtype}"
         _compare(actual, want, f"d{slot}")
-
-
-class SeqfastCalls(TorchDispatchMode):
-    """Records each call of a `seqfast` op (forward, backward, in-place twin) below autograd, to
-    check that its fake implementation, which compiled graphs are planned by, gives each output
-    the shape, dtype and strides the call gave it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Any, tuple, dict, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func.namespace == "seqfast":
-            self.calls.append((func, args, kwargs, result))
-        return result
-
-    def assert_fakes_agree(self) -> None:
-        for func, args, kwargs, result in self.calls:
-            with FakeTensorMode() as mode:
-                fake_args, fake_kwargs = tree_map_only(
-                    torch.Tensor, mode.from_tensor, (args, kwargs)
-                )
-                fake = func(*fake_args, **fake_kwargs)
-            outputs = zip(tree_leaves(result), tree_leaves(fake), strict=True)
-            for i, (real, faked) in enumerate(outputs):
-                where = f"{func} output {i}"
-                assert (real.shape, real.dtype) == (faked.shape, faked.dtype), where
-                assert _strides(real) == _strides(faked), (
-                    f"{where}: strides {real.stride()}, fake {faked.stride()}"
-                )
-        self.calls.clear()
-
-
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides that matter: those of dimensions of size > 1 (none when `t` is empty)."""
-    if t.numel() == 0:
-        return ()
-    return tuple(stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)
 
 
 def _compare(actual: torch.Tensor, want: torch.Tensor, name: str) -> None:
