@@ -174,3 +174,12 @@ def emit(lines: list[str], output: str | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(text + "\n")
+
+
+def emit_checked(lines: list[str], rows: Sequence[Sequence[object]], output: str | None,
+                 module: str) -> None:  # fmt: skip
+    """`emit`, then exit non-zero when a row's last column (its check) says FAILED."""
+    emit(lines, output)
+    failed = sum(str(row[-1]).startswith("FAILED") for row in rows)
+    if failed:
+        raise SystemExit(f"{module}: {failed} executor runs failed; see the check column")

@@ -11,7 +11,6 @@ disagrees or raises is marked FAILED, not timed, and the run exits non-zero.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import os
@@ -21,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_size_options, brief, emit, header, progress, table
+from benchmarks.common import brief, emit_checked, header, progress, standard_setup, table
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 
 MODELS = {
@@ -107,11 +106,7 @@ def bench(name, config, batch, length, executors, *, warmup, rounds):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_size_options(parser)
-    parser.add_argument("--no-inductor", action="store_true", help="leave Inductor out")
-    parser.add_argument("--output", help="append the markdown table to this file")
-    args = parser.parse_args()
+    args, _, _ = standard_setup(__doc__)  # its device and dtype aside: this runs float32 on CPU
     executors = dict(EXECUTORS)
     if args.no_inductor:  # nothing compiles with Inductor: seqfast hands the rest to eager
         executors = {"eager": EXECUTORS["eager"], "seqfast": EXECUTORS["seqfast, rest eager"]}
@@ -130,10 +125,7 @@ def main() -> None:
         rows += bench(name, config, batch, length, executors, warmup=warmup, rounds=rounds)
     columns = ["model", "tokens", "executor", "step ms", "/ inductor", "/ eager", "check"]
     lines += table(columns, rows)
-    emit(lines, args.output)
-    failed = sum(str(row[-1]).startswith("FAILED") for row in rows)
-    if failed:
-        raise SystemExit(f"benchmarks.cpu_step: {failed} executors failed; see the check column")
+    emit_checked(lines, rows, args.output, "benchmarks.cpu_step")
 
 
 if __name__ == "__main__":

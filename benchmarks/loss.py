@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import brief, emit, header, progress, standard_setup, table, timed_ms
+from benchmarks.common import brief, emit_checked, header, progress, standard_setup, table, timed_ms
 
 WIDTH = 4096
 """Hidden width of linear + cross-entropy."""
@@ -167,10 +167,7 @@ def main() -> None:
     columns = ["case", "tokens", "vocab", "executor", "ms", "peak MiB", "x eager speed",
                "peak / eager", "check"]  # fmt: skip
     lines += table(columns, rows)
-    emit(lines, args.output)
-    failed = sum(str(row[-1]).startswith("FAILED") for row in rows)
-    if failed:
-        raise SystemExit(f"benchmarks.loss: {failed} executor runs failed; see the check column")
+    emit_checked(lines, rows, args.output, "benchmarks.loss")
 
 
 if __name__ == "__main__":
