@@ -1,6 +1,11 @@
 """Dropout randomness shared by fused operators: a per-graph int64 seed tensor and the reference
 Philox4x32-10 generator, bit-identical to `philox_uniform` in the kernel templates, so the reference
-implementation and the kernels drop the same elements."""
+implementation and the kernels drop the same elements.
+
+The stream: the element at flat offset `o` takes word `o % 4` of the Philox block whose counter
+is (`o // 4` low word, `o // 4` high word, `stream`, 0) under the 64-bit key `seed`, and its top
+24 bits as a float in [0, 1). One Philox evaluation gives the numbers of four neighbouring
+elements."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 SEED_HIGH = 2**62
 """Seeds are drawn from [0, SEED_HIGH) by `torch.randint`, so torch's generator governs them."""
+WORDS = 4
+"""Elements served by one Philox evaluation."""
 
 
 def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,22 +28,34 @@ def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return t >> 16, ((t & 0xFFFF) << 16) | (low_part & 0xFFFF)
 
 
-def philox_uniform(seed: torch.Tensor, offsets: torch.Tensor, stream: int) -> torch.Tensor:
-    """Uniform float32 numbers in [0, 1), one per element of the int64 tensor `offsets`."""
-    seed = seed.to(torch.int64)
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
-    c0, c1 = offsets & _M32, (offsets >> 32) & _M32
-    c2 = torch.full_like(offsets, stream & _M32)
-    c3 = torch.zeros_like(offsets)
+def philox_words(
+    key: tuple[int, int] | torch.Tensor, counter: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of the four 32-bit counter words (int64 tensors) under a 64-bit key (a seed
+    tensor, or its two 32-bit words): the four output words, as int64 tensors."""
+    if isinstance(key, torch.Tensor):
+        seed = key.to(torch.int64)
+        k0, k1 = seed & _M32, (seed >> 32) & _M32
+    else:
+        k0, k1 = key
+    c0, c1, c2, c3 = counter
     for _ in range(10):
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return (c0 >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    return c0, c1, c2, c3
+
+
+def uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
+    """The stream's first `count` numbers (float32 in [0, 1)), those of flat offsets 0..count-1."""
+    blocks = torch.arange((count + WORDS - 1) // WORDS, device=seed.device, dtype=torch.int64)
+    counter = (blocks & _M32, blocks >> 32, torch.full_like(blocks, stream & _M32))
+    words = philox_words(seed, (*counter, torch.zeros_like(blocks)))
+    flat = torch.stack(words, dim=-1).flatten()[:count]
+    return (flat >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
 def keep_mask(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> torch.Tensor:
     """Which elements of a contiguous tensor of `shape` dropout keeps (offset = flat index)."""
-    offsets = torch.arange(shape.numel(), device=seed.device, dtype=torch.int64).view(shape)
-    return philox_uniform(seed, offsets, stream) >= p
+    return (uniforms(seed, shape.numel(), stream) >= p).view(shape)
