@@ -13,6 +13,7 @@ others). `GraphCompile` holds only what the stages are given, and the report the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import warnings
@@ -291,8 +292,25 @@ def _configure_log(level: str) -> None:
 
 
 def _default_rest(example_inputs: Sequence[Any]) -> str:
+    """Inductor where it can compile: on CUDA, and on CPU where it finds a C++ compiler."""
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    return "inductor" if on_cuda else "eager"
+    return "inductor" if on_cuda or _cpu_compiler() else "eager"
+
+
+@functools.cache
+def _cpu_compiler() -> bool:
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+        return True
+    except Exception as error:  # Inductor's own error for a missing or unusable compiler
+        log.warning(
+            "seqfast hands the rest of CPU graphs to eager: Inductor finds no C++ compiler (%s);"
+            ' set options={"rest": "eager"} to silence this',
+            error,
+        )
+        return False
 
 
 def seqfast(

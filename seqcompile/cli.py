@@ -12,7 +12,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="train a small GPT with eager and with seqfast and compare them"
+        "demo", help="train a small GPT with eager, Inductor and seqfast and compare them"
     )
     demo.add_argument("--steps", type=int, default=12, help="training steps per run (>= 2)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -82,7 +82,7 @@ def _inline(gm: GraphModule, node: Node, body: Callable[..., Any], fake_mode: An
     fakes = [leaves[i].meta["val"] for i in where]
     with fake_mode:
         traced = make_fx(
-            functionalize(flat, remove="mutations_and_views"),
+            functionalize(flat, remove="mutations"),
             select_decomp_table(),
             tracing_mode="real",
         )(*fakes)

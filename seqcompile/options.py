@@ -173,8 +173,8 @@ class Options:
     """Resolved options of one compile. Build with `Options.resolve(user_options)`."""
 
     rest: str | None = None
-    """Executor for what no pattern covers: "inductor", "eager", or None (inductor on CUDA,
-    eager on CPU)."""
+    """Executor for what no pattern covers: "inductor", "eager", or None (inductor, or eager on a
+    CPU machine where Inductor finds no C++ compiler)."""
     dump_dir: str | None = None
     """Directory that receives, per compiled graph, every stage's graph, kernel sources and
     report.txt."""
@@ -187,7 +187,8 @@ class Options:
     """Level of the "seqcompile" logger; None leaves it as configured (e.g. by TORCH_LOGS)."""
     loss_chunk: int = 0
     """Tokens per chunk of the fused linear + cross-entropy (its extra memory is one chunk of
-    logits); 0 picks an eighth of the tokens."""
+    logits); 0 picks an eighth of the tokens, or all of them when the logits are under 2^20
+    elements."""
     reuse_saved: bool = True
     """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
     over the logits). A backward that keeps the graph for another (`retain_graph=True`) writes

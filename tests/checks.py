@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 from conftest import assert_close
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.multiprocessing.reductions import StorageWeakRef
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from seqcompile.backend import seqfast
 from seqcompile.demo import GPTConfig, toy_batch
+from seqcompile.memory.saved import saved_bytes
 from seqcompile.report import CompileReport, collecting
 from seqcompile.verify import copy_as_given
 
@@ -97,34 +97,6 @@ def kept_for_backward(model, *batch):
     returns the loss), leaving out the parameters, buffers and the batch itself (they live on
     regardless)."""
     return saved_bytes(lambda: model(*batch), [*model.parameters(), *model.buffers(), *batch])
-
-
-def saved_bytes(step, lasting):
-    """Bytes of the distinct storages autograd saves while `step()` computes a loss and its
-    backward runs, leaving out the storages of the tensors in `lasting`."""
-    saved = saved_tensors(step, lasting)
-    return sum(t.untyped_storage().nbytes() for t in saved.values())
-
-
-def saved_tensors(step, lasting) -> dict[StorageWeakRef, torch.Tensor]:
-    """A tensor per distinct storage autograd saves while `step()` computes a loss and its
-    backward runs, leaving out the storages of the tensors in `lasting` and the fake tensors a
-    compile inside `step()` traces with (they are never kept)."""
-    lasting = {StorageWeakRef(t.untyped_storage()) for t in lasting}
-    saved = {}
-
-    def pack(t):
-        if is_fake(t):
-            return t
-        ref = StorageWeakRef(t.untyped_storage())
-        if ref not in lasting:
-            saved[ref] = t
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return saved
 
 
 TINY_GPT = GPTConfig(vocab=64, max_len=32, d_model=32, n_heads=2, n_layers=2, dropout=0.1)

@@ -1,7 +1,8 @@
-"""Shared test setup: Triton's interpreter on machines without CUDA, a private kernel cache, the
-per-dtype tolerance table, a fresh Dynamo cache per test, a check that no test leaves global state
-changed, and the kernel tier: tests marked `interpreter` run the generated kernels and fail unless
-every kernel their `kernels(...)` mark names was launched."""
+"""Shared test setup: Triton's interpreter on machines without CUDA, a private kernel cache, eager
+for the rest of each graph unless a test names Inductor, the per-dtype tolerance table, a fresh
+Dynamo cache per test, a check that no test leaves global state changed, and the kernel tier: tests
+marked `interpreter` run the generated kernels and fail unless every kernel their `kernels(...)`
+mark names was launched."""
 
 import logging
 import os
@@ -16,6 +17,9 @@ if not torch.cuda.is_available():
 os.environ.setdefault("SEQFAST_CACHE_DIR", tempfile.mkdtemp(prefix="seqfast-test-kernels-"))
 for name in [n for n in os.environ if n.startswith("SEQFAST_") and n != "SEQFAST_CACHE_DIR"]:
     del os.environ[name]
+# The rest of each graph runs eager unless a test names Inductor: an Inductor compile per graph
+# would take most of the run. The CPU lowerings Inductor gets are tested where `rest` is named.
+os.environ["SEQFAST_REST"] = "eager"
 
 import pytest  # noqa: E402
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch._inductor.compile_fx as compile_fx
 from conftest import TOLERANCES
+from torch._inductor import cpp_builder
 
 import seqcompile.backend as backend
 from seqcompile.demo import GPT, GPTConfig, toy_batch
@@ -27,9 +28,9 @@ def _seqfast_calls(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def _step(monkeypatch, rest: str):
+def _step(monkeypatch, rest: str | None):
     """One training step of a seeded GPT with dropout: the loss, the gradients, and the graphs
-    Inductor was given (name, opaque seqfast calls, output metadata)."""
+    Inductor was given (name, opaque seqfast calls, output metadata). `rest` None: the default."""
     given = []
 
     def spy(gm, example_inputs, **kwargs):
@@ -42,7 +43,8 @@ def _step(monkeypatch, rest: str):
     monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    compiled = torch.compile(model, backend="seqfast", options={"rest": rest})
+    options = {} if rest is None else {"rest": rest}
+    compiled = torch.compile(model, backend="seqfast", options=options)
     torch.manual_seed(1)
     loss = compiled(*_batch())
     loss.backward()
@@ -71,6 +73,24 @@ def test_the_eager_executor_runs_the_fused_calls(monkeypatch):
     monkeypatch.setattr(backend, "inline_lowerings", refuse)
     loss, _, given = _step(monkeypatch, "eager")
     assert not given and torch.isfinite(loss)
+
+
+def test_by_default_inductor_gets_the_rest_unless_it_finds_no_compiler(monkeypatch, caplog):
+    monkeypatch.delenv("SEQFAST_REST")
+    _, _, given = _step(monkeypatch, None)
+    assert given and all(not calls for calls, _ in given)
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    backend._cpu_compiler.cache_clear()
+    try:
+        loss, _, given = _step(monkeypatch, None)
+    finally:
+        backend._cpu_compiler.cache_clear()
+    assert not given and torch.isfinite(loss)
+    assert "Inductor finds no C++ compiler (no C++ compiler found)" in caplog.text
 
 
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "pointwise")

@@ -33,8 +33,16 @@ GRADIENTS = ("hidden", "weight", "bias")
 """The arguments whose gradients the forward computes, in the order of its `needs_grad` flags."""
 
 
-def default_chunk(rows: int) -> int:
-    """An eighth of the tokens (at most), in multiples of 128 rows once there are that many."""
+SMALL_LOGITS = 2**20
+"""Logits (elements) below which the default chunk takes every row: a chunk of them saves under
+4 MiB in float32 and costs three matmuls."""
+
+
+def default_chunk(rows: int, classes: int) -> int:
+    """An eighth of the tokens, in multiples of 128 rows once there are that many; every row when
+    all the logits are fewer than `SMALL_LOGITS`."""
+    if rows * classes < SMALL_LOGITS:
+        return max(1, rows)
     chunk = max(1, rows // 8)
     return chunk - chunk % 128 if chunk >= 128 else chunk
 
@@ -49,7 +57,7 @@ def workspace_bytes(call: Call) -> int:
     wants = _wanted(call)
     m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
     size = torch.empty((), dtype=compute_dtype).element_size()
-    step = min(chunk if chunk > 0 else default_chunk(m), m)
+    step = min(chunk if chunk > 0 else default_chunk(m, vocab), m)
     total = step * (vocab + (d if wants["hidden"] else 0)) * size
     total += m * d * size if hidden.dtype != compute_dtype else 0
     total += vocab * d * size if weight.dtype != compute_dtype else 0
@@ -119,7 +127,7 @@ def linear_cross_entropy(
     dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
     db = torch.zeros((vocab,) if want_b else (0,), device=weight.device)
     total = torch.zeros((), device=hidden.device)
-    step = chunk if chunk > 0 else default_chunk(m)
+    step = chunk if chunk > 0 else default_chunk(m, vocab)
     for start in range(0, m, step):
         rows = slice(start, min(start + step, m))
         logits = torch.mm(h[rows], w.t()) if b is None else torch.addmm(b, h[rows], w.t())
@@ -136,12 +144,12 @@ def linear_cross_entropy(
     return loss, dh, dw.to(weight.dtype), db.to(dbias_dtype)
 
 
-def chunks(m: int | torch.SymInt, chunk: int) -> list[tuple[int, int]]:
+def chunks(m: int | torch.SymInt, classes: int, chunk: int) -> list[tuple[int, int]]:
     """The (start, end) rows of each chunk the forward walks; one chunk of every row when the
     number of rows is symbolic (a loop over it would fix it to its traced value)."""
     if not isinstance(m, int):
         return [(0, m)]
-    step = chunk if chunk > 0 else default_chunk(m)
+    step = chunk if chunk > 0 else default_chunk(m, classes)
     return [(start, min(start + step, m)) for start in range(0, m, step)]
 
 
@@ -162,7 +170,7 @@ def lower_forward(
     db = torch.zeros((weight.shape[0],) if want_b else (0,), device=weight.device)
     total = torch.zeros((), device=hidden.device)
     dhs = []
-    for start, end in chunks(m, chunk):
+    for start, end in chunks(m, weight.shape[0], chunk):
         rows = h[start:end]
         logits = torch.mm(rows, w.t()) if b is None else torch.addmm(b, rows, w.t())
         if weight.shape[0] == 0:  # no classes: every target is ignored, no gradient to write

@@ -52,7 +52,8 @@ def uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     blocks = torch.arange((count + WORDS - 1) // WORDS, device=seed.device, dtype=torch.int64)
     counter = (blocks & _M32, blocks >> 32, torch.full_like(blocks, stream & _M32))
     words = philox_words(seed, (*counter, torch.zeros_like(blocks)))
-    flat = torch.stack(words, dim=-1).flatten()[:count]
+    flat = torch.stack(words, dim=-1).flatten()
+    flat = flat[:count] if count % WORDS else flat
     return (flat >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 

@@ -6,12 +6,12 @@ reference implementation's temporaries)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import saved_bytes
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.memory.saved import saved_bytes
 from seqcompile.report import collecting
 
 pytestmark = pytest.mark.slow  # each test compiles a model and counts what autograd saves

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from checks import attention_flags, kernel_flags, saved_tensors
+from checks import attention_flags, kernel_flags
 
 from models.real_models import (
     CASES,
@@ -23,6 +23,7 @@ from models.real_models import (
     sites,
 )
 from models.test_real_models import assert_gradients_match, step
+from seqcompile.memory.saved import saved_tensors
 from seqcompile.report import collecting
 
 pytestmark = pytest.mark.slow  # whole models: the real-model tier

@@ -311,7 +311,7 @@ def test_chunked_equals_unchunked(impl):
 @pytest.mark.parametrize("chunk", [1, 4, 0])
 @LINEAR_KERNELS
 def test_linear_loss_with_targets_in_any_layout(impl, layout, chunk):
-    hidden, weight, bias, target = linear_inputs(20, 8, 97, bias=True)  # default chunk: 2 rows
+    hidden, weight, bias, target = linear_inputs(20, 8, 97, bias=True)  # default chunk: every row
     target = in_layout(target, layout)
     loss = fused_linear_loss(hidden, weight, bias, target, chunk=chunk, smoothing=0.1)
     expected = eager_linear_loss(hidden, weight, bias, target, smoothing=0.1)
@@ -417,8 +417,12 @@ def test_half_compute_dtype_matches_autocast():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_the_default_chunk_is_at_most_an_eighth_of_the_tokens():
-    for rows in (1, 7, 8, 100, 1000, 4096, 8192 + 5, 32768):
-        chunk = default_chunk(rows)
+def test_the_default_chunk_is_at_most_an_eighth_of_the_tokens_unless_the_logits_are_small():
+    for rows in (100, 1000, 4096, 8192 + 5, 32768):
+        chunk = default_chunk(rows, 50257)
         assert 1 <= chunk <= max(1, rows // 8)
-    assert default_chunk(8192) == 1024
+    for rows in (1, 7, 8):
+        assert default_chunk(rows, 50257) == rows
+    assert default_chunk(8192, 50257) == 1024
+    assert default_chunk(256, 256) == 256  # the demo: every row in one chunk
+    assert default_chunk(2**20 // 97 + 1, 97) < 2**20 // 97 + 1

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import attention_flags, check_fusion, kernel_flags, saved_tensors
+from checks import attention_flags, check_fusion, kernel_flags
 
+from seqcompile.memory.saved import saved_tensors
 from seqcompile.ops.attention import key_blocks, visible_pairs
 from seqcompile.ops.attention_reference import diagonal_keep
 from seqcompile.report import collecting
