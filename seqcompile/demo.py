@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -177,7 +178,12 @@ def train(
     return run
 
 
-EXECUTORS = ("eager", "inductor", "seqfast")
+EXECUTORS: dict[str, Callable[[nn.Module], Callable[..., torch.Tensor]]] = {
+    "eager": lambda model: model,
+    "inductor": torch.compile,
+    "seqfast": lambda model: torch.compile(model, backend="seqfast"),
+}
+"""What the demo trains with: each wraps a copy of the model into its step function."""
 
 
 def run_demo(
@@ -193,19 +199,15 @@ def run_demo(
     initial = GPT(config).to(dev)
     runs, kept = {}, {}
     with collecting() as report:
-        for executor in EXECUTORS:
+        for executor, wrap in EXECUTORS.items():
             model = copy.deepcopy(initial)
-            step_fn = {
-                "eager": model,
-                "inductor": torch.compile(model),
-                "seqfast": torch.compile(model, backend="seqfast"),
-            }[executor]
+            step_fn = wrap(model)
             runs[executor] = train(
                 model, step_fn, config, steps=steps, batch=batch, length=length, device=dev
             )
             data = toy_batch(config, batch, length, dev, torch.Generator().manual_seed(steps))
             lasting = [*model.parameters(), *model.buffers(), *data]
-            kept[executor] = saved_bytes(lambda: step_fn(*data), lasting)  # noqa: B023
+            kept[executor] = saved_bytes(functools.partial(step_fn, *data), lasting)
     print(
         f"seqcompile demo: GPT {config.n_layers} layers, d_model {config.d_model}, dropout"
         f" {config.dropout}, {batch} x {length} tokens, on {dev}"

@@ -127,9 +127,8 @@ def linear_cross_entropy(
     dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
     db = torch.zeros((vocab,) if want_b else (0,), device=weight.device)
     total = torch.zeros((), device=hidden.device)
-    step = chunk if chunk > 0 else default_chunk(m, vocab)
-    for start in range(0, m, step):
-        rows = slice(start, min(start + step, m))
+    for start, end in chunks(m, vocab, chunk):
+        rows = slice(start, end)
         logits = torch.mm(h[rows], w.t()) if b is None else torch.addmm(b, h[rows], w.t())
         loss, _ = ce.loss_and_grad_in_place(logits, target[rows], scale, ignore_index, smoothing)
         total += loss.sum()

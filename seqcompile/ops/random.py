@@ -28,16 +28,11 @@ def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return t >> 16, ((t & 0xFFFF) << 16) | (low_part & 0xFFFF)
 
 
-def philox_words(
-    key: tuple[int, int] | torch.Tensor, counter: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-10 of the four 32-bit counter words (int64 tensors) under a 64-bit key (a seed
-    tensor, or its two 32-bit words): the four output words, as int64 tensors."""
-    if isinstance(key, torch.Tensor):
-        seed = key.to(torch.int64)
-        k0, k1 = seed & _M32, (seed >> 32) & _M32
-    else:
-        k0, k1 = key
+def philox_words(seed: torch.Tensor, counter: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of the four 32-bit counter words (int64 tensors) under the 64-bit key
+    `seed` (its low word first): the four output words, as int64 tensors."""
+    seed = seed.to(torch.int64)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
     c0, c1, c2, c3 = counter
     for _ in range(10):
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
