@@ -228,6 +228,13 @@ def _memory_lines(m: MemoryPlan) -> list[str]:
 
 
 def _budget_line(plan: RecomputePlan) -> str:
+    if plan.cheap_only:
+        return (
+            f"no memory budget: recomputing {len(plan.recomputed)} cheap nodes (no matmul or"
+            f" attention) keeps {format_bytes(plan.planned_bytes)} of"
+            f" {format_bytes(plan.baseline_bytes)}, ~{plan.seconds * 1e6:.0f} us on the device"
+            " roofline"
+        )
     verdict = "met" if plan.reachable else "NOT reachable, the least the planner found"
     return (
         f"memory budget {plan.budget}: target {format_bytes(plan.target_bytes)} of"

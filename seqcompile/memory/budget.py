@@ -4,7 +4,8 @@ of keeping, chosen on the joint graph before it is partitioned.
 The model: the backward needs some forward values; each needed value is either kept or, when it
 is recomputed, its own inputs are needed in its place, back to what is kept. Starting from the
 save-everything plan (only the user's checkpoint regions recomputed), a greedy loop recomputes the
-move that frees the most kept bytes per second of recompute on the device roofline, until the kept
+move that frees the most kept bytes per second of recompute on the device roofline: first every
+cheap move that frees bytes (no FLOPs: with no budget, that is all), then any move until the kept
 bytes fit the budget. A move is one kept value alone (its inputs become kept), the value with
 the chain of unkept values it is computed from, or the chains of every kept value sharing its
 storage (views of one tensor are freed together). Views and tuple selections are free to recompute,
@@ -33,6 +34,10 @@ from seqcompile.memory.partition import is_random
 from seqcompile.options import Budget
 
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+MOVED_PER_FREED_BYTE = 4
+"""With no budget, a cheap move is taken when its recompute moves at most this many bytes per kept
+byte it frees (an activation recomputed from its input: 2; a loss over the logits recomputed to
+free its row statistics: far more)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,8 @@ class RecomputePlan:
     """Their recompute time on the roofline."""
     reachable: bool
     """Whether the plan fits the target; when not, it is the least the planner could reach."""
+    cheap_only: bool = False
+    """No budget: only what is cheap to recompute was chosen."""
 
 
 def plan_recompute(
@@ -62,17 +69,21 @@ def plan_recompute(
     roofline: Roofline,
 ) -> RecomputePlan:
     """Choose what to recompute so that the kept bytes fit `budget`, and tag those joint-graph
-    nodes for recomputation."""
+    nodes for recomputation. First, at any budget, what is cheap: every move of nodes without
+    FLOPs in the cost model (views, casts, pointwise regions, norms; never a matmul or attention)
+    that frees kept bytes, at most `MOVED_PER_FREED_BYTE` moved per byte freed; then, until the
+    budget fits, the best move of any kind."""
     model = _KeptModel(joint, num_fwd_outputs)
     baseline = model.kept_bytes
     target = budget.target(baseline)
     chosen: list[Node] = []
-    while model.kept_bytes > target:
-        move = model.best_move(roofline)
-        if move is None:
-            break
-        model.recompute(move)
-        chosen.extend(n for n in move if n not in chosen)
+    for cheap_only in (True, False):
+        while cheap_only or model.kept_bytes > target:
+            move = model.best_move(roofline, cheap_only=cheap_only)
+            if move is None:
+                break
+            model.recompute(move)
+            chosen.extend(n for n in move if n not in chosen)
     for node in chosen:  # no region id: the plan has no region boundary to keep
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta.pop("ac_graph_id", None)
@@ -85,6 +96,7 @@ def plan_recompute(
         cost=total_cost(chosen, model.cost),
         seconds=sum(model.cost(n).seconds(roofline) for n in chosen),
         reachable=model.kept_bytes <= target,
+        cheap_only=budget.unlimited,
     )
 
 
@@ -189,14 +201,21 @@ class _KeptModel:
         }
         return sum(freed.values()) - sum(added.values())
 
-    def best_move(self, roofline: Roofline) -> list[Node] | None:
+    def best_move(self, roofline: Roofline, cheap_only: bool = False) -> list[Node] | None:
+        """The move that frees the most kept bytes per second of recompute (None: no move frees
+        any); with `cheap_only`, among moves whose nodes have no FLOPs."""
         best, best_score = None, (0.0, 0)
         for node in sorted(self.kept, key=self.order.__getitem__):
             if not self._recomputable(node):
                 continue
             for move in (self._unit(node), self._chain(node), self._sharing(node)):
+                if cheap_only and any(self.cost(n).flops for n in move):
+                    continue
                 gain = self.gain(move)
                 if gain <= 0:
+                    continue
+                moved = sum(self.cost(n).moved_bytes for n in move)
+                if cheap_only and gain * MOVED_PER_FREED_BYTE < moved:
                     continue
                 seconds = sum(self.cost(n).seconds(roofline) for n in move)
                 score = (gain / seconds if seconds else float("inf"), gain)

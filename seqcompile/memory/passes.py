@@ -88,9 +88,10 @@ def joint_passes(plan: Plan, state: Compile) -> list[str]:
 
 
 def memory_budget(plan: Plan, state: Compile) -> list[str]:
-    """With `checkpoint="auto"` and a memory budget, tag what the backward recomputes."""
+    """With `checkpoint="auto"`, tag what the backward recomputes: what is cheap (no FLOPs) and
+    frees kept bytes, and under a memory budget whatever else it takes to fit."""
     options = state.options
-    if options.checkpoint != "auto" or options.memory_budget.unlimited:
+    if options.checkpoint != "auto":
         return []
     roofline = roofline_for(_device(state))
     found = budget.plan_recompute(plan.joint, plan.num_fwd_outputs, options.memory_budget, roofline)
