@@ -1,7 +1,8 @@
 """A float32 training step on CPU (forward, backward, AdamW) of the demo GPT and of a 4-layer, d-256
 GPT on 8 x 128 tokens, dropout 0.1: eager, Inductor, and seqfast handing the rest to Inductor and
-to eager, timed interleaved in one process (each round times one step of each, in a rotating
-order), median step time and the ratios to Inductor and to eager.
+to eager, and seqfast under a memory budget of 0.5, timed interleaved in one process (each round
+times one step of each, in a rotating order): median step time and its ratios to Inductor and to
+eager, and the bytes each keeps for the backward (saved-tensor hooks) and their ratio to eager's.
 
     python -m benchmarks.cpu_step [--quick] [--no-inductor] [--output FILE]
 
@@ -22,6 +23,7 @@ import torch
 
 from benchmarks.common import brief, emit_checked, header, progress, standard_setup, table
 from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.memory.saved import saved_bytes
 
 MODELS = {
     "demo GPT": (GPTConfig(), 8, 32),
@@ -36,6 +38,9 @@ EXECUTORS = {
     "inductor": torch.compile,
     "seqfast": lambda m: torch.compile(m, backend="seqfast", options={"rest": "inductor"}),
     "seqfast, rest eager": lambda m: torch.compile(m, backend="seqfast", options={"rest": "eager"}),
+    "seqfast, budget 0.5": lambda m: torch.compile(
+        m, backend="seqfast", options={"rest": "inductor", "memory_budget": 0.5}
+    ),
 }
 
 
@@ -47,6 +52,7 @@ class Runner:
     step_model: object
     optimizer: torch.optim.Optimizer
     seconds: list[float] = dataclasses.field(default_factory=list)
+    kept_bytes: int = 0
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         start = time.perf_counter()
@@ -55,6 +61,12 @@ class Runner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
+
+    def measure_kept(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
+        """What one step keeps for the backward, seen through saved-tensor hooks."""
+        lasting = [*self.model.parameters(), *self.model.buffers(), idx, targets]
+        self.kept_bytes = saved_bytes(lambda: self.step_model(idx, targets), lasting)
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def eval_loss(step_model, model, idx, targets) -> float:
@@ -87,6 +99,7 @@ def bench(name, config, batch, length, executors, *, warmup, rounds):
             runner = Runner(model, step_model, torch.optim.AdamW(model.parameters(), lr=1e-4))
             for _ in range(warmup):
                 runner.step(*data)
+            runner.measure_kept(*data)
             runners[executor] = runner
         except (RuntimeError, AssertionError) as error:
             notes[executor] = f"FAILED: {brief(error, 100)}"
@@ -100,7 +113,13 @@ def bench(name, config, batch, length, executors, *, warmup, rounds):
         took = ms.get(executor, "-")
         bases = ("inductor", "eager")
         ratios = [took / ms[b] if executor in ms and b in ms else "" for b in bases]
-        rows.append([name, f"{batch} x {length}", executor, took, *ratios, notes[executor]])
+        kept = [runners[e].kept_bytes if e in runners else None for e in (executor, "eager")]
+        kept_mib = kept[0] / 2**20 if kept[0] is not None else "-"
+        kept_ratio = kept[0] / kept[1] if None not in kept and kept[1] else ""
+        rows.append(
+            [name, f"{batch} x {length}", executor, took, *ratios, kept_mib, kept_ratio]
+            + [notes[executor]]
+        )
         progress(rows[-1])
     return rows
 
@@ -116,14 +135,16 @@ def main() -> None:
     lines += [
         f"float32; {torch.get_num_threads()} threads on {os.cpu_count()} cores"
         f" ({platform.processor() or platform.machine()}); median of {rounds} interleaved steps"
-        f" after {warmup} warm-up steps each; dropout 0.1."
+        f" after {warmup} warm-up steps each; dropout 0.1. Kept: the distinct storages one step"
+        " saves for the backward (saved-tensor hooks), parameters and batch aside."
         + (" Without Inductor: seqfast hands the rest to eager." if args.no_inductor else ""),
         "",
     ]
     rows = []
     for name, (config, batch, length) in models.items():
         rows += bench(name, config, batch, length, executors, warmup=warmup, rounds=rounds)
-    columns = ["model", "tokens", "executor", "step ms", "/ inductor", "/ eager", "check"]
+    columns = ["model", "tokens", "executor", "step ms", "/ inductor", "/ eager", "kept MiB"]
+    columns += ["kept / eager", "check"]
     lines += table(columns, rows)
     emit_checked(lines, rows, args.output, "benchmarks.cpu_step")
 

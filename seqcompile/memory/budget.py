@@ -260,7 +260,9 @@ class _KeptModel:
         return move
 
     def _chain(self, node: Node) -> list[Node]:
-        """`node` and the unkept, recomputable values it is computed from, back to kept ones."""
+        """`node` and the unkept, recomputable values it is computed from, back to kept ones (or
+        to values whose memory another kept value holds: an alias of a kept sum is read, not
+        made again)."""
         move, stack = [], [node]
         while stack:
             current = stack.pop()
@@ -270,9 +272,17 @@ class _KeptModel:
             for i in current.all_input_nodes:
                 if i in self.recomputed or (i in self.kept and i is not node):
                     continue
-                if self._recomputable(i):
+                if self._recomputable(i) and not self._held_elsewhere(i, node):
                     stack.append(i)
         return move
+
+    def _held_elsewhere(self, value: Node, node: Node) -> bool:
+        """Whether all of `value`'s memory lives anyway: inputs, outputs, or held by a kept value
+        other than `node`."""
+        return all(
+            key in self.free or self.holding.get(key, set()) - {node}
+            for key, _ in self.storages(value)
+        )
 
 
 def _user_recomputed(node: Node) -> bool:

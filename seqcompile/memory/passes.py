@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Node
 from seqcompile import structure
 from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx_utils import fake_values, site_name
-from seqcompile.memory import accumulate, budget
+from seqcompile.memory import accumulate, budget, norm_outputs
 from seqcompile.memory.cost import node_cost, roofline_for, total_cost
 from seqcompile.memory.gradient_sums import fold_gradient_sums
 from seqcompile.memory.in_place import write_over_saved
@@ -94,7 +94,9 @@ def memory_budget(plan: Plan, state: Compile) -> list[str]:
     if options.checkpoint != "auto":
         return []
     roofline = roofline_for(_device(state))
+    offers = norm_outputs.offer(plan.joint, budget.forward_nodes(plan.joint), plan.fake_mode)
     found = budget.plan_recompute(plan.joint, plan.num_fwd_outputs, options.memory_budget, roofline)
+    norm_outputs.withdraw(offers, found.recomputed)
     plan.recompute = found
     if not found.reachable:
         log.warning(

@@ -73,7 +73,7 @@ def test_one_forward_and_one_backward_kernel_per_region(tmp_path):
     assert not backward_elementwise, backward_elementwise
 
 
-def test_the_backward_keeps_matmul_inputs_and_region_inputs_only():
+def test_the_backward_keeps_matmul_inputs_and_recomputes_the_regions():
     torch.manual_seed(0)
     model = Stack().train()
     x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
@@ -82,15 +82,20 @@ def test_the_backward_keeps_matmul_inputs_and_region_inputs_only():
     row = BATCH * LENGTH * 4  # bytes of one float32 per token
     per_block = row * (
         WIDTH  # h: the MLP's input, for fc's weight gradient
-        + 4 * WIDTH  # fc's output before its bias: the region input GELU's backward reads
-        + 4 * WIDTH  # the dropped-out GELU output: proj's input, for its weight gradient
+        + 4 * WIDTH  # fc's output before its bias: GELU's backward reads it, and proj's input
+        # (the dropped-out GELU output, 4 * WIDTH) is recomputed from it and the seed
     )
-    # each block's input (the input region's or the previous block's output) is kept for its attn
-    # projection's weight gradient; the input region keeps nothing
-    expected = LAYERS * per_block + LAYERS * row * WIDTH + 8  # + one int64 seed
+    # the blocks after the first keep their input (the previous block's output) for the attn
+    # projection's weight gradient; the first block's input is recomputed from the batch
+    expected = LAYERS * per_block + (LAYERS - 1) * row * WIDTH + 8  # + one int64 seed
     assert kept_for_backward(compiled, x) == expected
+    without_recompute = torch.compile(model, backend="seqfast", options={"checkpoint": "none"})
+    without_recompute(x).backward()
+    # without recompute the GELU outputs and the first block's input are kept besides
+    recomputed = LAYERS * row * 4 * WIDTH + row * WIDTH
+    assert kept_for_backward(without_recompute, x) == expected + recomputed
     # eager keeps the dropout masks and the GELU's input besides
-    assert kept_for_backward(model, x) > expected + LAYERS * BATCH * LENGTH * 6 * WIDTH
+    assert kept_for_backward(model, x) > expected + recomputed + LAYERS * BATCH * LENGTH * 6 * WIDTH
 
 
 def _compiled_step(monkeypatch, fold: bool):

@@ -39,7 +39,12 @@ def test_bias_gelu_and_bias_residual_are_two_regions():
     report = check_fusion(MLP(), [leaf(2, 5, 8)], counts={"pointwise": 2})
     # a forward each; only bias + GELU needs a backward kernel: the gradients of
     # bias + residual are the incoming gradient itself (summed over rows for the bias)
-    assert len(report.kernels) == 3
+    assert len({k.source for k in report.kernels}) == 3
+    # the backward launches bias + GELU's forward again: its output, down's input, is recomputed
+    # from up's output (kept for GELU's backward) instead of being kept beside it
+    forward = {k.source for k in report.kernels if k.direction == "forward"}
+    backward = [k for k in report.kernels if k.direction == "backward"]
+    assert len(backward) == 2 and len(forward & {k.source for k in backward}) == 1
 
 
 def test_linear_bias_is_folded_into_the_region(tmp_path):

@@ -283,7 +283,8 @@ def test_a_pointwise_pattern_gets_kernels_of_its_own_named_after_it(registered, 
         counts={"squared_relu": 1, "pointwise": 2},
     )
     named = [k for k in report.kernels if dict(k.spec.key)["region"].startswith("squared_relu_")]
-    assert sorted(k.spec.name for k in named) == ["pointwise:backward", "pointwise:forward"]
+    # the backward launches the forward again: the match's output is recomputed, not kept
+    assert sorted({k.spec.name for k in named}) == ["pointwise:backward", "pointwise:forward"]
     for kernel in named:
         assert "region squared_relu_" in kernel.source.path.read_text()
         assert kernel.source.path.name.startswith("pointwise_squared_relu_")
