@@ -361,7 +361,8 @@ def render(
         if isinstance(operand, Mask):
             masks = True
             body.append(
-                f"{var} = philox_uniform(seed, idx, stream + {operand.offset}) >= {operand.p!r}"
+                f"{var} = philox_uniform_run(seed, tl.program_id(0).to(tl.int64) * BLOCK,"
+                f" stream + {operand.offset}, BLOCK) >= {operand.p!r}"
             )
             continue
         assert operand is not None, f"placeholder {node.name} is read but has no operand"

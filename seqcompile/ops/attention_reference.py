@@ -21,7 +21,7 @@ import math
 import torch
 
 from seqcompile.ops import score_mods
-from seqcompile.ops.random import keep_mask
+from seqcompile.ops.random import keep_mask_by_rows
 
 Tensor = torch.Tensor
 
@@ -135,10 +135,11 @@ def probabilities(s: Tensor, row_max: Tensor, log_sum: Tensor) -> Tensor:
 def dropout_scale(
     shape: torch.Size, seed: Tensor | None, stream: int, p: float, device: torch.device
 ) -> Tensor | None:
-    """Per-score multiplier of dropout (0 or 1/(1-p)); offsets are flat indices in `shape`."""
+    """Per-score multiplier of dropout (0 or 1/(1-p)), the scores numbered by rows
+    (`keep_mask_by_rows`)."""
     if p == 0:
         return None
-    keep = keep_mask(seed.to(device), shape, stream, p)
+    keep = keep_mask_by_rows(seed.to(device), shape, stream, p)
     return keep.float() / (1.0 - p)
 
 

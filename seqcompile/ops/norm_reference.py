@@ -1,6 +1,6 @@
 """Reference implementation of the fused residual + normalization (`seqfast::add_norm` and its
 backward) in plain ATen: the test oracle and what runs on CPU tensors. Computes in float32 and
-draws dropout masks from the same Philox numbers as the kernels.
+draws dropout masks from the same Philox numbers as the kernels (numbered by rows).
 
     sum = residual + dropout(x + branch_bias, p)        rounded to `sum_dtype`
     out = norm(sum) * weight + bias                      LayerNorm or RMSNorm over the last dim
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from seqcompile.ops.random import keep_mask
+from seqcompile.ops.random import keep_mask_by_rows
 
 Tensor = torch.Tensor
 
@@ -52,7 +52,7 @@ def _sum(
     if branch_bias is not None:
         s = s + branch_bias.float()
     if p > 0:
-        s = torch.where(keep_mask(seed, x.shape, stream, p), s / (1.0 - p), 0.0)
+        s = torch.where(keep_mask_by_rows(seed, x.shape, stream, p), s / (1.0 - p), 0.0)
     if residual is not None:
         s = s + residual.float()
     return s.to(sum_dtype)
@@ -106,7 +106,9 @@ def backward(
     ds = ds * rstd
     if grad_sum is not None:
         ds = ds + grad_sum.reshape(rows, n).float()
-    dx = torch.where(keep_mask(seed, s.shape, stream, p), ds / (1.0 - p), 0.0) if p > 0 else ds
+    dx = ds
+    if p > 0:
+        dx = torch.where(keep_mask_by_rows(seed, s.shape, stream, p), ds / (1.0 - p), 0.0)
     shapes = grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
     values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))
     return tuple(

@@ -29,7 +29,7 @@ from seqcompile.run import runtime
 
 Tensor = torch.Tensor
 BLOCK = 1024
-"""Elements per program."""
+"""Elements per program (a multiple of 4: one Philox evaluation draws four dropout numbers)."""
 
 
 def _shape(inputs: Sequence[Tensor]) -> torch.Size:

@@ -2,10 +2,12 @@
 Philox4x32-10 generator, bit-identical to `philox_uniform` in the kernel templates, so the reference
 implementation and the kernels drop the same elements.
 
-The stream: the element at flat offset `o` takes word `o % 4` of the Philox block whose counter
-is (`o // 4` low word, `o // 4` high word, `stream`, 0) under the 64-bit key `seed`, and its top
-24 bits as a float in [0, 1). One Philox evaluation gives the numbers of four neighbouring
-elements."""
+The stream: the element at offset `o` takes word `o % 4` of the Philox block whose counter is
+(`o // 4` low word, `o // 4` high word, `stream`, 0) under the 64-bit key `seed`, and its top 24
+bits as a float in [0, 1). One Philox evaluation gives the numbers of four neighbouring offsets.
+A pointwise region numbers its elements by flat index; row-wise kernels (attention's scores, the
+norms) number the element at column `c` of row `r` as `r * padded_width(n) + c`, so every row
+starts a block and one evaluation serves four neighbouring columns of any width."""
 
 from __future__ import annotations
 
@@ -55,3 +57,19 @@ def uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
 def keep_mask(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> torch.Tensor:
     """Which elements of a contiguous tensor of `shape` dropout keeps (offset = flat index)."""
     return (uniforms(seed, shape.numel(), stream) >= p).view(shape)
+
+
+def padded_width(n: int) -> int:
+    """A row's share of the row-wise stream: its width rounded up to a multiple of 4."""
+    return -(-n // WORDS) * WORDS
+
+
+def keep_mask_by_rows(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> torch.Tensor:
+    """Which elements of a tensor of `shape` dropout keeps, numbered by rows of the last
+    dimension, each row starting at a multiple of 4 (`padded_width`)."""
+    n = shape[-1] if len(shape) else 1
+    if n == 0 or shape.numel() == 0:
+        return torch.ones(shape, dtype=torch.bool, device=seed.device)
+    rows = shape.numel() // n
+    drawn = uniforms(seed, rows * padded_width(n), stream).view(rows, padded_width(n))
+    return (drawn[:, :n] >= p).reshape(shape)

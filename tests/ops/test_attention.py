@@ -14,7 +14,7 @@ from conftest import TOLERANCES
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
 from seqcompile.ops import score_mods
-from seqcompile.ops.random import keep_mask
+from seqcompile.ops.random import keep_mask_by_rows
 
 attention = torch.ops.seqfast.attention
 FLOAT32_MIN = torch.finfo(torch.float32).min
@@ -98,7 +98,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     keep = None
     if p > 0:
-        keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
+        keep = keep_mask_by_rows(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
     names = ["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"] * (rel_bias is not None)
     by_name = dict(zip(names, doubles, strict=True))
     expected, s = composed(
@@ -530,7 +530,7 @@ def test_dropout_keep_ratio_and_scaling(impl, p):
     n = kept.numel()
     sigma = math.sqrt(p * (1 - p) / n)
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * sigma
-    assert torch.equal(kept, keep_mask(seed, torch.Size((b, h, lq, lk)), stream, p))
+    assert torch.equal(kept, keep_mask_by_rows(seed, torch.Size((b, h, lq, lk)), stream, p))
     torch.testing.assert_close(
         out[kept].double(), prob[kept] / (1 - p), **TOLERANCES[torch.float32]
     )

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCES
 
 import seqcompile.ops.norm  # noqa: F401  (registers the op)
-from seqcompile.ops.random import keep_mask
+from seqcompile.ops.random import keep_mask_by_rows
 
 add_norm = torch.ops.seqfast.add_norm
 pytestmark = pytest.mark.kernels("add_norm_fwd", "add_norm_bwd")
@@ -54,7 +54,7 @@ def run_and_compare(inputs, *, p, rms, dtype, eps=1e-5, stream=3, sum_grad=True)
     x = inputs["x"]
     args = [inputs[k] for k in ("x", "residual", "branch_bias", "weight", "bias")]
     out, total, mean, rstd = add_norm(*args, seed, stream, p, eps, rms, dtype, dtype)
-    keep = keep_mask(seed, x.shape, stream, p) if p > 0 else None
+    keep = keep_mask_by_rows(seed, x.shape, stream, p) if p > 0 else None
     expected_out, expected_sum = composed(*args, keep, p, eps, rms)
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and not out.isnan().any()

@@ -1,14 +1,16 @@
 """The dropout stream: Philox4x32-10 against the published known-answer vectors, four elements per
-evaluation in the reference, and the kernels' `philox_uniform` drawing the reference's numbers at
-any offset, the counter's high word included."""
+evaluation in the reference, and the kernels drawing the reference's numbers: one evaluation per
+element at any offset (the counter's high word included), and four per evaluation on a tile or a
+row whose starts allow it."""
 
 import importlib.util
 
 import pytest
 import torch
+import triton
 
 from seqcompile.codegen.render import _env
-from seqcompile.ops.random import keep_mask, philox_words, uniforms
+from seqcompile.ops.random import keep_mask, keep_mask_by_rows, padded_width, philox_words, uniforms
 from tests.conftest import needs_interpreter
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: counter, key, output.
@@ -71,17 +73,37 @@ def draw(SEED, OFFSETS, OUT, n, stream, BLOCK: tl.constexpr):
     inside = i < n
     offsets = tl.load(OFFSETS + i, mask=inside, other=0)
     tl.store(OUT + i, philox_uniform(tl.load(SEED), offsets, stream), mask=inside)
+
+
+@triton.jit
+def draw_tile(SEED, STARTS, OUT, col_start, stream, ROWS: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    u = philox_uniform_rows(tl.load(SEED), tl.load(STARTS + r), col_start, stream, ROWS, COLS)
+    tl.store(OUT + r[:, None] * COLS + tl.arange(0, COLS)[None, :], u)
+
+
+@triton.jit
+def draw_row(SEED, OUT, start, N, stream, BLOCK_N: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    u = row_dropout_numbers(tl.load(SEED), start, stream, BLOCK_N)
+    tl.store(OUT + cols, u, mask=cols < N)
 """
 
 
-@needs_interpreter
-def test_the_kernels_draw_the_references_numbers_at_any_offset(tmp_path, monkeypatch):
+def _kernels(tmp_path, monkeypatch):
+    """The test kernels above, with the Philox functions every template includes."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = tmp_path / "draw_kernel.py"
     path.write_text(KERNEL.format(philox=_env.get_template("philox.py.jinja").render()))
     spec = importlib.util.spec_from_file_location("draw_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+@needs_interpreter
+def test_the_kernels_draw_the_references_numbers_at_any_offset(tmp_path, monkeypatch):
+    module = _kernels(tmp_path, monkeypatch)
     generator = torch.Generator().manual_seed(0)
     far = torch.randint(2**44, (23,), generator=generator)
     offsets = torch.cat([torch.arange(9), far, torch.tensor([2**34 + 3])])
@@ -89,3 +111,40 @@ def test_the_kernels_draw_the_references_numbers_at_any_offset(tmp_path, monkeyp
     out = torch.empty(len(offsets))
     module.draw[(1,)](seed, offsets, out, len(offsets), 11, BLOCK=64)
     assert torch.equal(out, at_offsets(seed, offsets, 11))
+
+
+@needs_interpreter
+def test_a_tile_drawn_four_per_evaluation_has_the_references_numbers(tmp_path, monkeypatch):
+    """Rows starting at far multiples of 4, columns from a multiple of 4: each Philox evaluation's
+    four words land on four neighbouring columns, as the stream defines them."""
+    module = _kernels(tmp_path, monkeypatch)
+    generator = torch.Generator().manual_seed(1)
+    starts = torch.randint(2**42, (4,), generator=generator) * 4
+    seed = torch.randint(2**62, (1,), generator=generator)
+    out = torch.empty(4, 16)
+    module.draw_tile[(1,)](seed, starts, out, 8, 3, ROWS=4, COLS=16)
+    offsets = starts[:, None] + 8 + torch.arange(16)
+    assert torch.equal(out, at_offsets(seed, offsets.flatten(), 3).view(4, 16))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("width", [12, 13, 2], ids=["multiple_of_4", "odd", "narrow"])
+def test_a_row_draws_the_references_numbers_at_any_width(tmp_path, monkeypatch, width):
+    """Row 1001 of rows of `width`, numbered from its padded start as the norms number them."""
+    module = _kernels(tmp_path, monkeypatch)
+    seed = torch.tensor([2**40 + 7])
+    out = torch.empty(width)
+    start = 1001 * padded_width(width)
+    module.draw_row[(1,)](seed, out, start, width, 5, BLOCK_N=triton.next_power_of_2(width))
+    assert torch.equal(out, at_offsets(seed, start + torch.arange(width), 5))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 13), (2, 8), (4, 1), (0, 6), (3, 0)])
+def test_a_mask_by_rows_starts_each_row_at_a_multiple_of_4(shape):
+    seed, p = torch.tensor([12345]), 0.5
+    mask = keep_mask_by_rows(seed, torch.Size(shape), 9, p)
+    assert mask.shape == shape
+    n = shape[-1]
+    for row, values in enumerate(mask.reshape(-1, n) if n else []):
+        offsets = row * padded_width(n) + torch.arange(n)
+        assert torch.equal(values, at_offsets(seed, offsets, 9) >= p)
