@@ -20,6 +20,9 @@ for name in [n for n in os.environ if n.startswith("SEQFAST_") and n != "SEQFAST
 # The rest of each graph runs eager unless a test names Inductor: an Inductor compile per graph
 # would take most of the run. The CPU lowerings Inductor gets are tested where `rest` is named.
 os.environ["SEQFAST_REST"] = "eager"
+# On CUDA every launch runs its default configuration: tuning at each of the tests' many sizes
+# would time every candidate again; the GPU tier tests each candidate and tuning itself.
+os.environ["SEQFAST_AUTOTUNE"] = "0"
 
 import pytest  # noqa: E402
 

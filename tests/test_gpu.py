@@ -3,6 +3,7 @@ compiled kernels against the reference at larger shapes and low-precision tolera
 training run whose loss curve must track eager."""
 
 import copy
+import json
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import seqcompile.ops.norm as norm_op
 from seqcompile.demo import GPT, GPTConfig, train
 from seqcompile.ops import attention_reference, norm_reference
 from seqcompile.report import collecting
+from seqcompile.run import tuning
 
 pytestmark = pytest.mark.gpu
 cuda = torch.device("cuda")
@@ -108,6 +110,49 @@ def test_plan_batchs_choice_trains_within_its_memory_limit():
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_kernels_match_the_reference(dtype, width, rms, p):
+    check_norm_kernels(dtype, width, rms, p)
+
+
+def at_candidate(monkeypatch, index: int) -> None:
+    """Every launch runs the `index`-th configuration of its space (the last where it has
+    fewer), untimed."""
+
+    def launch(spec, key, space, run, device, repeatable=True):
+        config = space[min(index, len(space) - 1)]
+        run(config)
+        return config
+
+    monkeypatch.setattr(tuning, "launch", launch)
+
+
+@pytest.mark.parametrize("candidate", range(5))
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_every_norm_launch_configuration_matches_the_reference(monkeypatch, candidate, rms):
+    """Tuning may pick any configuration of a space: each one computes what the default does."""
+    at_candidate(monkeypatch, candidate)
+    check_norm_kernels(torch.bfloat16, 1000, rms, 0.1)
+
+
+@pytest.mark.parametrize("candidate", range(4))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_attention_launch_configuration_matches_the_reference(
+    monkeypatch, candidate, head_dim, dtype
+):
+    at_candidate(monkeypatch, candidate)
+    check_attention_kernels(dtype, head_dim, dict(causal=True, bias=False, mask=True, p=0.1))
+
+
+def test_a_tuned_launch_is_recorded_for_the_device_and_still_matches(monkeypatch, tmp_path):
+    monkeypatch.setenv("SEQFAST_AUTOTUNE", "1")
+    monkeypatch.setenv("SEQFAST_CACHE_DIR", str(tmp_path))
+    check_attention_kernels(torch.bfloat16, 64, dict(causal=True, bias=False, mask=False, p=0.0))
+    (recorded,) = (tmp_path / "tuning").glob("*.json")
+    assert torch.cuda.get_device_name(cuda).split()[0] in recorded.name
+    assert len(json.loads(recorded.read_text())) == 3  # the forward, dkdv and dq
+
+
+def check_norm_kernels(dtype, width, rms, p):
     g = torch.Generator(device=cuda).manual_seed(0)
     rows = 4099
     x, residual = (torch.randn(rows, width, device=cuda, generator=g).to(dtype) for _ in range(2))
@@ -140,6 +185,10 @@ def test_kernels_match_the_reference(dtype, width, rms, p):
     ids=["plain", "causal_mask_dropout", "bias_mask"],
 )
 def test_attention_kernels_match_the_reference(dtype, head_dim, features):
+    check_attention_kernels(dtype, head_dim, features)
+
+
+def check_attention_kernels(dtype, head_dim, features):
     g = torch.Generator(device=cuda).manual_seed(0)
     b, h, kv_heads, lq, lk = 2, 4, 2, 333, 517
     q = torch.randn(b, h, lq, head_dim, device=cuda, generator=g).to(dtype)

@@ -98,7 +98,7 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-def _write(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """Atomically put `text` at `path`: a temporary file in the same folder, then a rename, so no
     reader ever sees a partial file and concurrent writers of the same text all succeed."""
     try:
@@ -128,7 +128,7 @@ def ensure_file(name: str, text: str) -> Path:
             " rebuilding it",
             stacklevel=2,
         )
-    _write(path, text)
+    write_atomically(path, text)
     return path
 
 

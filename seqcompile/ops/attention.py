@@ -35,11 +35,12 @@ import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.fx_utils import concrete
+from seqcompile.ops import attention_configs as configs
 from seqcompile.ops import attention_reference as reference
 from seqcompile.ops import samples_attention, score_mods
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
-from seqcompile.run import runtime
+from seqcompile.run import runtime, tuning
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256
@@ -148,7 +149,9 @@ def describe(call: Call) -> str | None:
         )
     if not kinds:
         return None
-    tiles = _blocks(q)
+    head_dim, device = concrete(q.shape[-1]), q.device.type
+    dropout = call["p"] > 0
+    tiles = dict(configs.space("attention_fwd", head_dim, q.dtype, device, dropout)[0].blocks)
     lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
     visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
     tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
@@ -331,24 +334,16 @@ def _strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(t.expand(shape).stride()) if t is not None else ()
 
 
-def _blocks(q: Tensor) -> dict[str, int]:
-    head_dim = q.shape[-1]
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if q.device.type != "cuda":  # the interpreter runs each program in Python: small tiles
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
-    if block_d <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
-    if block_d <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
-
-
-def _backward_blocks(q: Tensor) -> dict[str, int]:
-    blocks = _blocks(q)
-    if q.device.type == "cuda":
-        small = blocks["BLOCK_D"] <= 64
-        blocks.update(BLOCK_M=64 if small else 32, BLOCK_N=64, num_stages=2 if small else 1)
-    return blocks
+def _launch(spec: KernelSpec, q: Tensor, k: Tensor, grid_of, launch, repeatable=True) -> None:
+    """Launch the kernel of `spec` at the configuration chosen for q's dtype and sizes:
+    `launch(config, grid)`, the grid from `grid_of(config)`."""
+    b, h, lq, d = q.shape
+    sizes = (q.dtype, d, *(triton.next_power_of_2(n) for n in (lq, k.shape[2], b * h)))
+    dropout = dict(spec.key)["dropout"]
+    space = configs.space(spec.template, d, q.dtype, q.device.type, dropout)
+    tuning.launch(
+        spec, sizes, space, lambda c: launch(c, grid_of(c)), q.device, repeatable=repeatable
+    )
 
 
 def _dot_precision(q: Tensor, v: Tensor) -> str:
@@ -413,12 +408,13 @@ def forward_kernels(
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
     (spec,) = forward_kernels_of(arguments)
     pointers, scalars = _common_args(**arguments)
-    blocks = _blocks(q)
-    grid = (triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)
-    kernel_function(spec)[grid](
-        q, k, v, *pointers, *([seed] if p > 0 else []), out, row_max, log_sum,
-        *scalars, *((p, stream) if p > 0 else ()),
-        HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks,
+    _launch(
+        spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
+        lambda c, grid: kernel_function(spec)[grid](
+            q, k, v, *pointers, *([seed] if p > 0 else []), out, row_max, log_sum,
+            *scalars, *((p, stream) if p > 0 else ()),
+            HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **c.launch_options(),
+        ),
     )  # fmt: skip
     return out, row_max, log_sum
 
@@ -548,25 +544,32 @@ def _launch_backward(
     q, k, v, grad_out, p = (call[name] for name in ("q", "k", "v", "grad_out", "p"))
     b, h, lq, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
-    blocks = _backward_blocks(q)
     delta = runtime.empty((b, h, lq), torch.float32, q.device)
     block_r = 64 if q.device.type == "cuda" else 16
     kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
         grad_out, call["out"], delta, b * h * lq,
-        HEAD_DIM=d, BLOCK_D=blocks["BLOCK_D"], BLOCK_R=block_r,
+        HEAD_DIM=d, BLOCK_D=configs.block_d(d), BLOCK_R=block_r,
     )  # fmt: skip
     _delta, dkdv_spec, dq_spec = backward_kernels_of(call)
     pointers, scalars = _common_args(**call)
     seed_args = [call["seed"]] if p > 0 else []
     dropout_args = (p, call["stream"]) if p > 0 else ()
     rows = (grad_out, call["row_max"], call["log_sum"], delta)
-    constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **blocks)
-    kernel_function(dkdv_spec)[(triton.cdiv(lk, blocks["BLOCK_N"]) * b * kv_heads,)](
-        q, k, v, *pointers, *seed_args, *rows, dk, dv, *scalars, *dropout_args, **constants,
+    constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v))
+    _launch(
+        dkdv_spec, q, k, lambda c: (triton.cdiv(lk, c["BLOCK_N"]) * b * kv_heads,),
+        lambda c, grid: kernel_function(dkdv_spec)[grid](
+            q, k, v, *pointers, *seed_args, *rows, dk, dv, *scalars, *dropout_args,
+            **constants, **c.launch_options(),
+        ),
     )  # fmt: skip
-    kernel_function(dq_spec)[(triton.cdiv(lq, blocks["BLOCK_M"]) * b * h,)](
-        q, k, v, *pointers, *seed_args, *rows, dq, *(t for t in bias_grads if t is not None),
-        *scalars, *dropout_args, **constants,
+    _launch(
+        dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
+        lambda c, grid: kernel_function(dq_spec)[grid](
+            q, k, v, *pointers, *seed_args, *rows, dq, *(t for t in bias_grads if t is not None),
+            *scalars, *dropout_args, **constants, **c.launch_options(),
+        ),
+        repeatable=bias_grads[-1] is None,  # the relative bias's gradient is added atomically
     )  # fmt: skip
 
 

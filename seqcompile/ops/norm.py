@@ -25,7 +25,8 @@ from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import norm_reference as reference
 from seqcompile.ops import samples_norm
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named
-from seqcompile.run import runtime
+from seqcompile.run import runtime, tuning
+from seqcompile.run.tuning import Config
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384
@@ -160,8 +161,32 @@ def _vector(t: Tensor | None, argument: str) -> Tensor | None:
     return None if t is None else copies.for_kernel(t, "add_norm", argument)
 
 
-def _num_warps(block_n: int) -> int:
-    return min(max(block_n // 256, 1), 16)
+def row_configs(width: int, device_type: str) -> list[Config]:
+    """Launch configurations of the row kernels (forward and backward) at `width`: the row held
+    whole (BLOCK_N, the width padded to a power of two), 256 columns per warp by default, half and
+    twice as many warps besides on CUDA."""
+    block_n = triton.next_power_of_2(width)
+    warps = min(max(block_n // 256, 1), 16)
+    others = [w for w in (warps // 2, warps * 2) if 1 <= w <= 16] if device_type == "cuda" else []
+    return [Config.of(BLOCK_N=block_n, num_warps=w) for w in (warps, *others)]
+
+
+def column_configs(width: int, sums: int, device_type: str) -> list[Config]:
+    """Launch configurations of the column sum of `sums` partial buffers at `width`: by default
+    column blocks narrow enough that about 128 programs share the work (32 to 256 columns)."""
+    block_n = min(256, triton.next_power_of_2(max(width, 1)))
+    if device_type != "cuda":
+        return [Config.of(BLOCK_G=16, BLOCK_N=block_n)]
+    wide = max(32, min(256, 1 << (max(width * sums // 128, 1).bit_length() - 1)))
+    return [Config.of(BLOCK_G=16, BLOCK_N=n) for n in dict.fromkeys((wide, 32, 64, 128, 256))]
+
+
+def _launch(spec: KernelSpec, space: list[Config], rows: int, grid_of, launch, data: Tensor):
+    """Launch the kernel of `spec` at the configuration chosen for `rows` rows of `data`'s
+    dtype and width: `launch(config, grid)`, the grid from `grid_of(config)`."""
+    width, device = data.shape[-1], data.device
+    sizes = (data.dtype, *(triton.next_power_of_2(max(n, 1)) for n in (width, rows)))
+    tuning.launch(spec, sizes, space, lambda c: launch(c, grid_of(c)), device)
 
 
 def forward_kernels(
@@ -190,15 +215,14 @@ def forward_kernels(
         )
         outputs = (out, total if prologue else None, None if rms else mean, rstd)
         scalars = (n, eps) + ((p, stream) if p > 0 else ())
-        block_n = triton.next_power_of_2(n)
-        kernel_function(spec)[(m,)](
-            x2,
-            *(t for t in optional if t is not None),
-            *(t for t in outputs if t is not None),
-            *scalars,
-            BLOCK_N=block_n,
-            num_warps=_num_warps(block_n),
-        )
+        _launch(
+            spec, row_configs(n, x.device.type), m, lambda c: (m,),
+            lambda c, grid: kernel_function(spec)[grid](
+                x2, *(t for t in optional if t is not None),
+                *(t for t in outputs if t is not None), *scalars, **c.launch_options(),
+            ),
+            x,
+        )  # fmt: skip
     rows = x.shape[:-1]
     return (
         out.view(x.shape),
@@ -283,23 +307,25 @@ def backward_kernels(
         dres.view(m, n) if residual_grad else None,
         partial if params else None,
     )
-    block_n = triton.next_power_of_2(n)
-    kernel_function(specs[0])[(programs,)](
-        _rows(grad_out, "grad_out"),
-        *(t for t in optional_inputs if t is not None),
-        *(t for t in outputs if t is not None),
-        m,
-        n,
-        *((p, stream) if p > 0 else ()),
-        BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
-    )
+    _launch(
+        specs[0], row_configs(n, saved.device.type), m, lambda c: (programs,),
+        lambda c, grid: kernel_function(specs[0])[grid](
+            _rows(grad_out, "grad_out"), *(t for t in optional_inputs if t is not None),
+            *(t for t in outputs if t is not None), m, n, *((p, stream) if p > 0 else ()),
+            **c.launch_options(),
+        ),
+        saved,
+    )  # fmt: skip
     if params:
         sums = runtime.empty((len(params), n), torch.float32, saved.device)
-        column_block = min(block_n, 256)
-        kernel_function(COLUMN_SUM)[(triton.cdiv(n, column_block), len(params))](
-            partial, sums, programs, n, BLOCK_G=16, BLOCK_N=column_block
-        )
+        _launch(
+            COLUMN_SUM, column_configs(n, len(params), saved.device.type), programs,
+            lambda c: (triton.cdiv(n, c["BLOCK_N"]), len(params)),
+            lambda c, grid: kernel_function(COLUMN_SUM)[grid](
+                partial, sums, programs, n, **c.launch_options()
+            ),
+            partial,
+        )  # fmt: skip
         for t, row in zip(params, sums, strict=True):
             t.copy_(row)
     return dx, dres, dweight, dbias, dbranch_bias

@@ -1,0 +1,70 @@
+"""Launch configurations of the attention kernels: per kernel and head dim, the space each is
+tuned over on CUDA (`run/tuning.py`), its default first; the interpreter's one small tile
+elsewhere.
+
+The defaults are what the sm_90 compile (`python -m benchmarks.kernel_resources`) shows clean:
+no spills with or without causal masking and dropout, matrix products on wgmma where the tile
+allows (64 rows per warpgroup), and the fewest loop instructions per score among those. The
+other candidates are the nearest tiles and the earlier fixed tiles, so that tuning can trade
+occupancy for tile size on the device and never does worse than those did; the space stays small,
+since the first launch at each size times all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from seqcompile.run.tuning import Config
+
+KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq")
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16 (what tl.dot takes)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def space(
+    kernel: str, head_dim: int, dtype: torch.dtype, device_type: str, dropout: bool = False
+) -> list[Config]:
+    """The configurations `kernel` may launch with at `head_dim` and `dtype` on `device_type`,
+    default first. Tiles are chosen by the bytes of a row of q (float32 takes the tiles of twice
+    the head dim in 16 bits); with dropout, whose Philox rounds hold more registers, some sizes
+    default to a smaller tile of the same space."""
+    d = block_d(head_dim)
+    if device_type != "cuda":  # the interpreter runs each program in Python: small tiles
+        return [Config.of(BLOCK_M=16, BLOCK_N=16, BLOCK_D=d)]
+    width = d * dtype.itemsize // 2
+    tiles, with_dropout = next((t, i) for limit, t, i in _TABLES[kernel] if width <= limit)
+    if dropout:
+        tiles = [tiles[with_dropout], *(t for i, t in enumerate(tiles) if i != with_dropout)]
+    return [
+        Config.of(BLOCK_M=m, BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s)
+        for m, n, w, s in tiles
+    ]
+
+
+# Per kernel, rows of (largest head dim in 16-bit elements, [(BLOCK_M, BLOCK_N, warps, stages),
+# ...], the default's index with dropout): BLOCK_M query rows by BLOCK_N key columns. The forward
+# and dq walk key blocks for a block of queries, dkdv query blocks for a block of keys.
+_TABLES = {
+    "attention_fwd": [
+        (64, [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)], 0),
+        (128, [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)], 0),
+        (256, [(64, 32, 8, 1), (64, 16, 4, 1), (32, 32, 4, 1), (64, 32, 4, 1)], 0),
+        (512, [(32, 32, 4, 1), (64, 32, 8, 1)], 0),
+    ],
+    "attention_bwd_dkdv": [
+        (64, [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3)], 0),
+        (128, [(64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 1), (64, 64, 8, 1)], 1),
+        (256, [(32, 32, 4, 1), (16, 32, 4, 1), (32, 32, 8, 1)], 0),
+        (512, [(16, 32, 4, 1), (32, 32, 4, 1)], 0),
+    ],
+    "attention_bwd_dq": [
+        (64, [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3)], 0),
+        (128, [(64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 1)], 0),
+        (256, [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1)], 0),
+        (512, [(16, 32, 4, 1), (32, 32, 4, 1)], 0),
+    ],
+}
