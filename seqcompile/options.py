@@ -200,9 +200,10 @@ class Options:
     """The backward adds parameters' gradients straight into their existing `.grad` (the
     weight-gradient matmul accumulates into it) instead of handing them to autograd."""
     checkpoint: str = "auto"
-    """Who meets `memory_budget`: "auto" (seqfast's planner), "torch" (torch's min-cut with its
-    `activation_memory_budget`, fractions only) or "none" (nothing recomputed beyond the
-    partitioner's choice and the user's checkpoints)."""
+    """Who plans what the backward recomputes: "auto" (seqfast's planner: at any budget what is
+    cheap, never a matmul or attention; under `memory_budget` whatever else it takes), "torch"
+    (torch's min-cut with its `activation_memory_budget`, fractions only) or "none" (nothing
+    recomputed beyond the partitioner's choice and the user's checkpoints)."""
 
     verify: bool = False
     """Run each compiled graph beside the captured one (eager) on the inputs it was compiled for,
