@@ -1,8 +1,10 @@
 """The memory plans of a GPT-2-small-shaped training step under budgets 1, 0.5, 0.25 and 0.1, by
 seqfast's planner and by torch's `activation_memory_budget` (`checkpoint="torch"`) on the same
-fused graph: kept bytes, the bytes recomputed instead, the recompute FLOPs, the planned peak and the
-step's roofline time. The model is compiled on the meta device, so the table needs no GPU and
-holds no timing: every number is a property of the plan.
+fused graph: kept bytes (and their ratio to what eager keeps), the bytes recomputed instead, the
+recompute FLOPs, the planned peak and the step's roofline time; with the plan that recomputes
+nothing (`checkpoint="none"`) and eager beside them. The model is compiled on the meta device, so
+the table needs no GPU and holds no timing: every number is a property of the plan, and eager's
+kept bytes are what its saved-tensor hooks see on meta tensors.
 
     python -m benchmarks.memory_plans [--quick] [--batch 8] [--length 1024] [--output FILE]
 """
@@ -14,6 +16,7 @@ import torch
 from benchmarks.common import emit, header, model_setup, table
 from seqcompile.demo import GPT, toy_batch
 from seqcompile.memory import dry_run
+from seqcompile.memory.saved import saved_bytes
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 
@@ -24,9 +27,11 @@ def main() -> None:
     model = dry_run.meta_copy(GPT(config).to(torch.bfloat16))
     tokens = toy_batch(config, batch, length, torch.device("cpu"), torch.Generator())
     example = dry_run.at_batch_size(tokens, batch)
-    rows = []
+    eager = saved_bytes(lambda: model(*example), [*model.parameters(), *example])
+    rows = [("eager", "-", eager / 2**20, 1.0, "-", "-", "-", "-")]
+    names = {"none": "seqfast, nothing recomputed", "auto": "seqfast", "torch": "torch's min-cut"}
     for budget in BUDGETS:
-        for planner in ("auto", "torch"):
+        for planner in ("none", "auto", "torch") if budget == 1.0 else ("auto", "torch"):
             if planner == "torch" and budget == 1.0:
                 continue
             options = {"memory_budget": budget, "checkpoint": planner}
@@ -34,11 +39,12 @@ def main() -> None:
             step = plan.step
             rows.append(
                 (
-                    "seqfast" if planner == "auto" else "torch's min-cut",
+                    names[planner],
                     f"{budget:g}",
                     step.kept_bytes / 2**20,
+                    step.kept_bytes / eager,
                     step.recomputed_bytes / 2**20,
-                    plan.recompute.flops / 1e9,
+                    plan.recompute.flops / 1e9 if plan.recompute else 0.0,
                     step.peak_bytes / 2**20,
                     plan.step_seconds * 1e3,
                 )
@@ -57,7 +63,7 @@ def main() -> None:
         " model's (activations and gradients made so far; parameters apart).",
         "",
     ]
-    columns = ["planner", "budget", "kept MiB", "recomputed MiB", "recompute GFLOP"]
+    columns = ["planner", "budget", "kept MiB", "kept / eager", "recomputed MiB", "recompute GFLOP"]
     lines += table([*columns, "peak MiB", "roofline ms"], rows)
     emit(lines, args.output)
 

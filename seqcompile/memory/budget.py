@@ -7,8 +7,9 @@ save-everything plan (only the user's checkpoint regions recomputed), a greedy l
 move that frees the most kept bytes per second of recompute on the device roofline: first every
 cheap move that frees bytes (no FLOPs: with no budget, that is all), then any move until the kept
 bytes fit the budget. A move is one kept value alone (its inputs become kept), the value with
-the chain of unkept values it is computed from, or the chains of every kept value sharing its
-storage (views of one tensor are freed together). Views and tuple selections are free to recompute,
+the chain of unkept values it is computed from (back to kept values, or to values whose memory a
+kept value holds anyway), or the chains of every kept value sharing its storage (views of one
+tensor are freed together). Views and tuple selections are free to recompute,
 norms and pointwise regions cheap, matmuls and attention dear. The chosen nodes are tagged for
 recomputation the way torch tags checkpoint regions (with no region id, so no boundary
 between them is kept), and the partitioner places them.
@@ -208,7 +209,8 @@ class _KeptModel:
         for node in sorted(self.kept, key=self.order.__getitem__):
             if not self._recomputable(node):
                 continue
-            for move in (self._unit(node), self._chain(node), self._sharing(node)):
+            chains = (self._chain(node), self._chain(node, read_held=True))
+            for move in (self._unit(node), *chains, self._sharing(node)):
                 if cheap_only and any(self.cost(n).flops for n in move):
                     continue
                 gain = self.gain(move)
@@ -259,10 +261,10 @@ class _KeptModel:
                 move.extend(n for n in self._chain(other) if n not in move)
         return move
 
-    def _chain(self, node: Node) -> list[Node]:
-        """`node` and the unkept, recomputable values it is computed from, back to kept ones (or
-        to values whose memory another kept value holds: an alias of a kept sum is read, not
-        made again)."""
+    def _chain(self, node: Node, read_held: bool = False) -> list[Node]:
+        """`node` and the unkept, recomputable values it is computed from, back to kept ones;
+        with `read_held`, also back to values whose memory another kept value holds (an alias of
+        a kept sum is then read, not made again)."""
         move, stack = [], [node]
         while stack:
             current = stack.pop()
@@ -272,7 +274,7 @@ class _KeptModel:
             for i in current.all_input_nodes:
                 if i in self.recomputed or (i in self.kept and i is not node):
                     continue
-                if self._recomputable(i) and not self._held_elsewhere(i, node):
+                if self._recomputable(i) and not (read_held and self._held_elsewhere(i, node)):
                     stack.append(i)
         return move
 
