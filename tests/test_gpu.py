@@ -106,7 +106,7 @@ def test_plan_batchs_choice_trains_within_its_memory_limit():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("width", [768, 1000, 4096])
+@pytest.mark.parametrize("width", [768, 1000, 4096, 5000])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_kernels_match_the_reference(dtype, width, rms, p):

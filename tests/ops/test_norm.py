@@ -87,7 +87,7 @@ def run_and_compare(inputs, *, p, rms, dtype, eps=1e-5, stream=3, sum_grad=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 37])
-@pytest.mark.parametrize("width", [1, 7, 768, 1000])
+@pytest.mark.parametrize("width", [1, 7, 768, 1000, 5000])  # 5000: weight read per row
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @WITH_PARAMETERS
 def test_shapes_and_dtypes(impl, rms, width, rows, dtype):

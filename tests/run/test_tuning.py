@@ -103,6 +103,7 @@ def test_where_tuning_does_not_apply_the_default_runs_untimed(timed, monkeypatch
 
 
 def test_autotuning_is_on_for_cuda_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("SEQFAST_AUTOTUNE", raising=False)  # (the test suite switches it off)
     assert not tuning.autotuning(torch.device("cpu"))
     assert tuning.autotuning(CUDA)
     monkeypatch.setenv("SEQFAST_AUTOTUNE", "0")

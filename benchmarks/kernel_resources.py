@@ -1,0 +1,284 @@
+"""Static resources of the attention and norm kernels on Hopper, without a GPU: each kernel compiled
+for sm_90 by Triton's own compiler, as a CUDA launch would specialize it (pointers and strides
+16-byte aligned, unit strides constant), at bf16, fp16 and fp32, head dims 64, 128 and 256, norm
+widths 768 to 8192, at every configuration of its launch space (`*` marks the default):
+registers per thread and spilled bytes (`ptxas -v`), shared memory, the CTAs and warps that fit on
+one SM, and in the main loop (the one with the most matrix products, from `nvdisasm`) the
+instructions per iteration, how many are wgmma or mma.sync, and (attention) the instructions all
+threads issue per score.
+
+    python -m benchmarks.kernel_resources [--quick] [--defaults] [--head-dims 64,128,256]
+        [--output FILE]
+
+`--defaults` compiles the default configurations only; `--quick` also only head dim 64 and width
+768. Run it with `TRITON_INTERPRET` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from benchmarks.common import brief, emit, header, progress, table
+from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.ops import attention, attention_configs, norm
+from seqcompile.run.tuning import Config
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HEAD_DIMS = (64, 128, 256)
+WIDTHS = (768, 1024, 2048, 4096, 8192)
+FLOAT32_POINTERS = {"ROW_MAX", "LOG_SUM", "DELTA", "MEAN", "RSTD", "PARTIAL"}
+UNIT = {"stride_qd", "stride_kd", "stride_vd", "GROUP"}
+"""Integers a contiguous launch passes as 1, which Triton turns into constants."""
+SCALARS = {"scale": "fp32", "eps": "fp32", "p": "fp32"}
+SM90 = dict(registers=65536, shared=232448, warps=64, ctas=32, reserved_shared=1024)
+"""Per-SM limits of sm_90 (H100, H200)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel at one dtype, size and configuration."""
+
+    group: str
+    spec: KernelSpec
+    dtype: str
+    size: int
+    config: Config
+    default: bool
+    constants: tuple[tuple[str, object], ...] = ()
+    float32_out: bool = False
+    """Whether its `OUT` holds float32 sums (the column sum) rather than data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    registers: int
+    spilled: int
+    shared: int
+    warps: int
+    ctas: int
+    loop: int
+    wgmma: int
+    mma: int
+
+
+def attention_cases(dims, defaults_only) -> Iterator[Case]:
+    variants = {
+        "plain": {},
+        "causal": {"causal": True},
+        "causal, dropout": {"causal": True, "dropout": True},
+    }
+    for variant, on in variants.items():
+        names = ("bias", "mask", "dropout", "causal", "window", "documents", "relative", "prefix")
+        flags = {name: on.get(name, False) for name in names} | {"score_mod": ()}
+        specs = [attention.forward_spec(**flags)]
+        specs += attention.backward_specs(bias_grad=False, rel_grad=False, **flags)[1:]
+        for spec in specs:
+            for dtype in DTYPES:
+                for d in dims:
+                    dropout = flags["dropout"]
+                    space = attention_configs.space(spec.template, d, TORCH[dtype], "cuda", dropout)
+                    precision = "tf32"  # what the launcher passes unless TF32 is off
+                    for config in space[:1] if defaults_only else space:
+                        yield Case(
+                            f"attention, {variant}", spec, dtype, d, config, config == space[0],
+                            (("HEAD_DIM", d), ("DOT_PRECISION", precision)),
+                        )  # fmt: skip
+
+
+def norm_cases(widths, defaults_only) -> Iterator[Case]:
+    for rms in (False, True):
+        flags = dict(branch_bias=True, dropout=True, weight=True, bias=not rms, rms=rms)
+        forward = norm.forward_spec(residual=True, **flags)
+        (backward, column_sum) = norm.backward_specs(sum_grad=True, residual_grad=True, **flags)
+        group = "rms_norm" if rms else "layer_norm"
+        for dtype in DTYPES:
+            for n in widths:
+                for spec, space in (
+                    (forward, norm.row_configs(n, "cuda")),
+                    (backward, norm.row_configs(n, "cuda")),
+                    (column_sum, norm.column_configs(n, 3 - rms, "cuda")),
+                ):
+                    if spec is column_sum and (rms or dtype != "fp32"):
+                        continue  # float32 partial sums whatever the data: one row per width
+                    for config in space[:1] if defaults_only else space:
+                        yield Case(
+                            f"{group}, residual, dropout", spec, dtype, n, config,
+                            config == space[0], float32_out=spec is column_sum,
+                        )  # fmt: skip
+
+
+def signature(case: Case) -> tuple[dict[str, str], dict[str, object], dict]:
+    """Triton types, constants and 16-byte alignment hints of the case's arguments."""
+    fn = kernel_function(case.spec).jit
+    constants = dict(case.config.blocks) | dict(case.constants)
+    constants |= {name: 1 for name in UNIT if name in fn.arg_names}
+    types = {}
+    for name in fn.arg_names:
+        if (
+            name in constants
+            or name.startswith("BLOCK_")
+            or name.isupper()
+            and name.endswith("_DIM")
+        ):
+            types[name] = "constexpr"
+        elif name in SCALARS:
+            types[name] = SCALARS[name]
+        elif name.startswith("stride_") or name in ("H", "LQ", "LK", "N", "M", "G", "R", "stream"):
+            types[name] = "i32"
+        elif name == "SEED":
+            types[name] = "*i64"
+        elif name in FLOAT32_POINTERS or (name == "OUT" and case.float32_out):
+            types[name] = "*fp32"
+        else:
+            types[name] = DTYPES[case.dtype]
+    aligned = [
+        name
+        for name, kind in types.items()
+        if kind.startswith("*")
+        or (kind == "i32" and name not in ("H", "LQ", "LK", "M", "G", "stream"))
+    ]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return types, {k: v for k, v in constants.items() if k in fn.arg_names}, attrs
+
+
+def compile_case(case: Case, folder: Path) -> Resources:
+    types, constants, attrs = signature(case)
+    source = ASTSource(kernel_function(case.spec).jit, types, constexprs=constants, attrs=attrs)
+    options = {k: v for k, v in case.config.launch_options().items() if k.startswith("num_")}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx, cubin = folder / "kernel.ptx", folder / "kernel.cubin"
+    ptx.write_text(kernel.asm["ptx"])
+    cubin.write_bytes(kernel.asm["cubin"])
+    verbose = _tool("ptxas", "-v", "--gpu-name", "sm_90a", "-o", os.devnull, str(ptx))
+    registers = int(re.search(r"Used (\d+) registers", verbose).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", verbose).group(1))
+    loop, wgmma, mma = main_loop(_tool("nvdisasm", "-c", str(cubin)))
+    warps = kernel.metadata.num_warps
+    shared = kernel.metadata.shared
+    ctas = resident_ctas(registers, warps, shared)
+    return Resources(registers, spilled, shared, warps, ctas, loop, wgmma, mma)
+
+
+def resident_ctas(registers: int, warps: int, shared: int) -> int:
+    """CTAs of this kernel that fit on one sm_90 SM at once (registers are allocated per warp in
+    units of 256)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90["registers"] // (per_warp * warps)
+    by_shared = SM90["shared"] // (shared + SM90["reserved_shared"])
+    return min(by_registers, by_shared, SM90["warps"] // warps, SM90["ctas"])
+
+
+def main_loop(sass: str) -> tuple[int, int, int]:
+    """Instructions in the loop with the most matrix products (backward branches of the listing,
+    innermost taken as is), and how many of them are wgmma (HGMMA) and mma.sync (HMMA). A kernel
+    without a loop counts its whole listing."""
+    lines = sass.splitlines()
+    labels = {
+        m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", line))
+    }
+    instructions = [i for i, line in enumerate(lines) if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+    loops = [(0, len(lines))]
+    for i in instructions:
+        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", lines[i])
+        if target and labels.get(target.group(1), i) < i - 1:  # not a branch to itself
+            loops.append((labels[target.group(1)], i + 1))
+
+    def counts(span):
+        body = [lines[i] for i in instructions if span[0] <= i < span[1]]
+        return (
+            len(body),
+            sum("HGMMA" in line for line in body),
+            sum(" HMMA" in line for line in body),
+        )
+
+    return max(
+        (counts(span) for span in loops[1:]),
+        key=lambda c: (c[1] + c[2], -c[0]),
+        default=counts(loops[0]),
+    )
+
+
+def per_score(config: Config, found: Resources) -> float | str:
+    """Instructions all threads issue per score in an attention loop iteration (a BLOCK_M x
+    BLOCK_N tile): comparable across tiles and warps."""
+    blocks = dict(config.blocks)
+    if "BLOCK_M" not in blocks:
+        return "-"
+    return found.loop * found.warps * 32 / (blocks["BLOCK_M"] * blocks["BLOCK_N"])
+
+
+def _tool(name: str, *args: str) -> str:
+    done = subprocess.run([str(BIN / name), *args], capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="head dim 64 and width 768 only")
+    parser.add_argument("--defaults", action="store_true", help="default configurations only")
+    parser.add_argument(
+        "--head-dims", default=",".join(map(str, HEAD_DIMS)), help="attention head dims, by commas"
+    )
+    parser.add_argument("--output", help="append the markdown table to this file")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("benchmarks.kernel_resources compiles: run it with TRITON_INTERPRET unset")
+    defaults = args.defaults or args.quick
+    cases = [
+        *attention_cases(
+            [64] if args.quick else [int(d) for d in args.head_dims.split(",")], defaults
+        ),
+        *norm_cases(WIDTHS[:1] if args.quick else WIDTHS, defaults),
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for case in cases:
+            config = ("* " if case.default else "") + case.config.describe()
+            cells = [case.group, case.spec.template, case.dtype, case.size, config]
+            try:
+                found = compile_case(case, Path(folder))
+                cells += [found.registers, found.spilled, found.shared, found.ctas]
+                cells += [found.ctas * found.warps, found.loop, found.wgmma, found.mma]
+                cells.append(per_score(case.config, found))
+            except Exception as error:  # reported in its row, the run goes on  # noqa: BLE001
+                cells += [f"FAILED: {brief(error, 80)}", *["-"] * 8]
+            rows.append(cells)
+            progress(cells)
+    lines = header(
+        "Kernel resources on sm_90, compiled without a GPU",
+        torch.device("cpu"),
+        "benchmarks.kernel_resources",
+    )
+    lines += [
+        "Compiled by Triton's compiler for sm_90 (ptxas from Triton's own bundle); registers and"
+        " spill stores from `ptxas -v`, shared memory from Triton's metadata, CTAs and warps per SM"
+        " from sm_90's limits (64 Ki registers, 227 KiB shared, 64 warps); the loop columns count"
+        " SASS instructions of the main loop (`nvdisasm`). Size: head dim, or norm width.",
+        "",
+    ]
+    columns = ["kernels", "kernel", "dtype", "size", "config", "registers", "spilled bytes"]
+    columns += ["shared bytes", "CTAs / SM", "warps / SM", "loop instructions", "wgmma", "mma.sync"]
+    columns += ["per score"]
+    lines += table(columns, rows)
+    emit(lines, args.output)
+    failed = sum(str(row[5]).startswith("FAILED") for row in rows)
+    if failed:
+        raise SystemExit(f"benchmarks.kernel_resources: {failed} compiles failed")
+
+
+if __name__ == "__main__":
+    main()

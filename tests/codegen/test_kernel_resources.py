@@ -1,0 +1,66 @@
+"""The static resource report: the attention and norm kernels, compiled for sm_90 at their default
+launch configurations with no GPU, spill nothing at head dims up to 128 and norm widths up to 8192,
+in bf16, fp16 and fp32; and in 16 bits the attention products run on wgmma."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes of Triton's compiler: CI runs it when it runs each file
+
+ROOT = Path(__file__).resolve().parents[2]
+COLUMNS = ["kernels", "kernel", "dtype", "size", "config", "registers", "spilled bytes"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """The report's rows at the default configurations, head dims 64 and 128, by column name."""
+    output = tmp_path_factory.mktemp("resources") / "resources.md"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SEQFAST_INTERPRET")
+    }
+    command = ["-m", "benchmarks.kernel_resources", "--defaults", "--head-dims", "64,128"]
+    result = subprocess.run(
+        [sys.executable, *command, "--output", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in output.read_text().splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    assert header[: len(COLUMNS)] == COLUMNS
+    return [
+        dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+
+
+def test_every_kernel_and_dtype_is_in_the_report(rows):
+    seen = {(row["kernel"], row["dtype"]) for row in rows}
+    for kernel in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "add_norm_fwd"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            assert (kernel, dtype) in seen
+    assert {row["size"] for row in rows if row["kernel"] == "add_norm_bwd"} == {
+        "768", "1024", "2048", "4096", "8192",
+    }  # fmt: skip
+    assert all(row["config"].startswith("* ") for row in rows)  # defaults only
+
+
+def test_no_default_configuration_spills(rows):
+    spilling = [row for row in rows if row["spilled bytes"] != "0"]
+    assert not spilling, [(r["kernels"], r["kernel"], r["dtype"], r["size"]) for r in spilling]
+
+
+def test_attention_in_16_bits_runs_its_products_on_wgmma(rows):
+    """Every product on wgmma, but for dkdv with dropout at head dim 128: there its all-wgmma
+    tile spills (dropout's Philox rounds hold registers), so it takes 32-key tiles, half of whose
+    products run on mma.sync."""
+    for row in rows:
+        if not row["kernel"].startswith("attention") or row["dtype"] == "fp32":
+            continue
+        assert int(row["wgmma"]) > 0, row
+        mixed = "dropout" in row["kernels"] and row["kernel"] == "attention_bwd_dkdv"
+        if not (mixed and row["size"] == "128"):
+            assert row["mma.sync"] == "0", row
