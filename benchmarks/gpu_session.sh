@@ -18,7 +18,10 @@
 #   BENCH_SIZE=--quick SESSION_SECONDS=900 bash benchmarks/gpu_session.sh   (a smoke run on a CPU)
 #
 # Writes into ${OUT:-benchmarks/out}: session.log (everything), pytest_gpu.txt, results.md (the
-# benchmark tables, for benchmarks/results/<device>.md) and summary.md, which is also printed last.
+# benchmark tables, for benchmarks/results/<device>.md) and summary.md, which is also printed last
+# and opens with the headline table (benchmarks/headline.py: train step tokens/s and peak memory,
+# attention against SDPA and FlexAttention, residual + norm against copy bandwidth, linear +
+# cross-entropy's peak memory, each from this run's checked tables).
 # Needs no network and installs nothing: the repository goes on PYTHONPATH, and a minimal
 # dist-info beside it declares the `torch_dynamo_backends` entry point that makes
 # torch.compile(backend="seqfast") find the backend, as `pip install -e .` would.
@@ -209,6 +212,8 @@ bench memory_budget 60 memory_budget "$size" --no-inductor
 
 timeout 10 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,memory.used --format=csv,noheader \
     >"$work/device_after.txt" 2>&1
+# the headline: a few numbers read from this run's tables (benchmarks/headline.py), shown first
+timeout 30 "$py" -m benchmarks.headline "$out/results.md" >"$work/headline.md" 2>&1
 {
     echo "# GPU session summary"
     echo
@@ -217,6 +222,8 @@ timeout 10 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,memory.used --format
     echo "- after (clocks.sm, temperature, memory.used): $(head -1 "$work/device_after.txt")"
     sed 's/^/- /' "$work/facts.txt" | cut -c1-200 | head -10
     [[ -z $no_cuda ]] || echo "- WARNING: $no_cuda"
+    echo
+    head -c 3000 "$work/headline.md"
     echo
     if [[ -f $out/results.md ]]; then
         echo "## Tables (results.md in full; rows of steps cut short: 'row:' lines in session.log)"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import KERNEL_BENCHMARKS, MODEL_BENCHMARKS
+from benchmarks.headline import headline_table
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # a minute in all: CI runs them when it runs each file
@@ -46,3 +47,16 @@ def quick_run(module, tmp_path):
     text = output.read_text()
     assert f"command: `python -m {module} --quick" in text
     return text
+
+
+def test_the_headline_reads_each_measure_from_a_sessions_tables():
+    """On a committed GPU session's results: each value is its table's, for the first case; a
+    table the session did not reach is said to be missing."""
+    text = (ROOT / "benchmarks" / "results" / "nvidia-h200.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in headline_table(text)}
+    train = rows["GPT-2-small train step: tokens/s"].split(" | ")
+    assert train[1:6] == ["1e+05", "2.65e+05", "-", "-", "1.09e+05"] and train[6] == "0.41x"
+    attention = rows["attention fwd+bwd ms, bf16, no mask"]
+    assert "| 6.31 |" in attention and "| 14.8 |" in attention and "L 4096, D 128" in attention
+    assert "not measured in this run" in rows["attention fwd+bwd ms, causal"]
+    assert all("not measured" in line for line in headline_table("") if "GPT-2" in line)
