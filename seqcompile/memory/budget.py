@@ -9,7 +9,8 @@ cheap move that frees bytes (no FLOPs: with no budget, that is all), then any mo
 bytes fit the budget. A move is one kept value alone (its inputs become kept), the value with
 the chain of unkept values it is computed from (back to kept values, or to values whose memory a
 kept value holds anyway), or the chains of every kept value sharing its storage (views of one
-tensor are freed together). Views and tuple selections are free to recompute,
+tensor are freed together); a move that redoes a multi-output op also selects its other outputs
+again. Views and tuple selections are free to recompute,
 norms and pointwise regions cheap, matmuls and attention dear. The chosen nodes are tagged for
 recomputation the way torch tags checkpoint regions (with no region id, so no boundary
 between them is kept), and the partitioner places them.
@@ -210,7 +211,8 @@ class _KeptModel:
             if not self._recomputable(node):
                 continue
             chains = (self._chain(node), self._chain(node, read_held=True))
-            for move in (self._unit(node), *chains, self._sharing(node)):
+            for candidate in (self._unit(node), *chains, self._sharing(node)):
+                move = self._with_selections(candidate)
                 if cheap_only and any(self.cost(n).flops for n in move):
                     continue
                 gain = self.gain(move)
@@ -250,6 +252,22 @@ class _KeptModel:
         if node.target is operator.getitem and node.args[0] not in self.recomputed:
             return [node.args[0], node]
         return [node]
+
+    def _with_selections(self, move: list[Node]) -> list[Node]:
+        """`move`, with every selection from a multi-output op it recomputes: the op runs again
+        in the backward, so keeping its other outputs would waste their bytes (min-cut selects
+        them again; the default partitioner would keep them)."""
+        inside = set(move)
+        return move + [
+            user
+            for n in move
+            if n.target is not operator.getitem
+            for user in n.users
+            if user.target is operator.getitem
+            and user in self.forward
+            and user not in inside
+            and user not in self.recomputed
+        ]
 
     def _sharing(self, node: Node) -> list[Node]:
         """The chains of every kept value that shares a storage with `node` (views of one

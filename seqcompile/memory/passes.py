@@ -97,6 +97,7 @@ def memory_budget(plan: Plan, state: Compile) -> list[str]:
     offers = norm_outputs.offer(plan.joint, budget.forward_nodes(plan.joint), plan.fake_mode)
     found = budget.plan_recompute(plan.joint, plan.num_fwd_outputs, options.memory_budget, roofline)
     norm_outputs.withdraw(offers, found.recomputed)
+    plan.joint_forward |= {n.name for n in budget.forward_nodes(plan.joint)}  # offers taken
     plan.recompute = found
     if not found.reachable:
         log.warning(
