@@ -3,8 +3,9 @@ for sm_90 by Triton's own compiler, as a CUDA launch would specialize it (pointe
 16-byte aligned, unit strides constant), at bf16, fp16 and fp32, head dims 64, 128 and 256, norm
 widths 768 to 8192, at every configuration of its launch space (`*` marks the default):
 registers per thread and spilled bytes (`ptxas -v`), shared memory, the CTAs and warps that fit on
-one SM, and in the main loop (the one with the most matrix products, from `nvdisasm`) the
-instructions per iteration, how many are wgmma or mma.sync, and (attention) the instructions all
+one SM, and in the main loop (the one with the most matrix products, from `nvdisasm`; among
+equals the shortest, which is the loop over whole blocks where a kernel splits off its edge blocks)
+the instructions per iteration, how many are wgmma or mma.sync, and (attention) the instructions all
 threads issue per score.
 
     python -m benchmarks.kernel_resources [--quick] [--defaults] [--head-dims 64,128,256]
@@ -183,9 +184,9 @@ def resident_ctas(registers: int, warps: int, shared: int) -> int:
 
 
 def main_loop(sass: str) -> tuple[int, int, int]:
-    """Instructions in the loop with the most matrix products (backward branches of the listing,
-    innermost taken as is), and how many of them are wgmma (HGMMA) and mma.sync (HMMA). A kernel
-    without a loop counts its whole listing."""
+    """Instructions in the loop with the most matrix products, the shortest among equals (backward
+    branches of the listing, innermost taken as is), and how many of them are wgmma (HGMMA) and
+    mma.sync (HMMA). A kernel without a loop counts its whole listing."""
     lines = sass.splitlines()
     labels = {
         m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", line))
