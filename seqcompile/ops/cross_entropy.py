@@ -27,10 +27,10 @@ MAX_BLOCK_V = 4096
 """Vocabulary entries a program reads per step."""
 
 
-def spec(mode: str) -> KernelSpec:
+def spec(mode: str, smoothing: float) -> KernelSpec:
     """`forward` (loss, lse), `backward` (gradient of the logits) or `forward_grad` (loss, lse,
-    then the gradient written over the logits)."""
-    return KernelSpec.of("cross_entropy", mode=mode)
+    then the gradient written over the logits), with or without label smoothing."""
+    return KernelSpec.of("cross_entropy", mode=mode, smoothing=smoothing > 0)
 
 
 def _block(vocab: int) -> tuple[int, int]:
@@ -157,7 +157,7 @@ def _launch(mode: str, logits: Tensor, target: Tensor, *tensors: Tensor, ignore_
     if mode == "backward":
         lse, grad = tensors[0], tensors[1]
         strides += [lse.stride(0), grad.stride(0)]
-    kernel_function(spec(mode))[(m,)](
+    kernel_function(spec(mode, smoothing))[(m,)](
         logits, target, *tensors, vocab, *strides, ignore_index, smoothing,
         BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
@@ -299,9 +299,13 @@ ENTRY = FusedOp(
         torch.ops.seqfast.cross_entropy_backward_in_place.default: lower_backward_in_place,
     },
     kernels={
-        torch.ops.seqfast.cross_entropy.default: lambda call: [spec("forward")],
-        torch.ops.seqfast.cross_entropy_backward.default: lambda call: [spec("backward")],
-        torch.ops.seqfast.cross_entropy_backward_in_place.default: lambda call: [spec("backward")],
+        torch.ops.seqfast.cross_entropy.default: lambda call: [spec("forward", call["smoothing"])],
+        torch.ops.seqfast.cross_entropy_backward.default: lambda call: [
+            spec("backward", call["smoothing"])
+        ],
+        torch.ops.seqfast.cross_entropy_backward_in_place.default: lambda call: [
+            spec("backward", call["smoothing"])
+        ],
     },
     saves="the logits, the targets and each row's log-sum-exp, never the probabilities",
     in_place=InPlace(

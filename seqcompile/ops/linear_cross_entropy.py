@@ -49,16 +49,16 @@ def default_chunk(rows: int, classes: int) -> int:
 
 def workspace_bytes(call: Call) -> int:
     """Bytes a call allocates and frees while it runs, beyond its outputs, at the traced sizes (for
-    the memory model): copies of its inputs in `compute_dtype`, one chunk of logits and of
-    `dlogits @ weight` (where the hidden states need a gradient), and the float32 weight and bias
-    gradients before their cast."""
+    the memory model): copies of its inputs in `compute_dtype`, one chunk of logits (rows padded
+    to 16 bytes) and of `dlogits @ weight` (where the hidden states need a gradient), and the
+    float32 weight and bias gradients before their cast."""
     hidden, weight, bias = (call.value(name) for name in ("hidden", "weight", "bias"))
     compute_dtype, chunk = call["compute_dtype"], call["chunk"]
     wants = _wanted(call)
     m, d, vocab = (concrete(s) for s in (*hidden.shape, weight.shape[0]))
     size = torch.empty((), dtype=compute_dtype).element_size()
     step = min(chunk if chunk > 0 else default_chunk(m, vocab), m)
-    total = step * (vocab + (d if wants["hidden"] else 0)) * size
+    total = step * (padded_classes(vocab, compute_dtype) + (d if wants["hidden"] else 0)) * size
     total += m * d * size if hidden.dtype != compute_dtype else 0
     total += vocab * d * size if weight.dtype != compute_dtype else 0
     total += vocab * size if bias is not None and bias.dtype != compute_dtype else 0
@@ -89,6 +89,19 @@ def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
         torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
     else:
         total.addmm_(a.float(), b.float())
+
+
+def padded_classes(classes: int, dtype: torch.dtype) -> int:
+    """The row length of a chunk of logits: the classes, padded to a multiple of 16 bytes."""
+    per_vector = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-classes // per_vector) * per_vector
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """h @ w^T (+ b), its rows 16 bytes apart (the padding is never read), so that the
+    cross-entropy kernel reads each row in 16-byte vectors whatever the number of classes."""
+    rows = h.new_empty((h.shape[0], padded_classes(w.shape[0], h.dtype)))[:, : w.shape[0]]
+    return torch.mm(h, w.t(), out=rows) if b is None else torch.addmm(b, h, w.t(), out=rows)
 
 
 def _empty(t: Tensor, shape, dtype) -> Tensor:
@@ -129,7 +142,7 @@ def linear_cross_entropy(
     total = torch.zeros((), device=hidden.device)
     for start, end in chunks(m, vocab, chunk):
         rows = slice(start, end)
-        logits = torch.mm(h[rows], w.t()) if b is None else torch.addmm(b, h[rows], w.t())
+        logits = _logits(h[rows], w, b)
         loss, _ = ce.loss_and_grad_in_place(logits, target[rows], scale, ignore_index, smoothing)
         total += loss.sum()
         if want_h:
@@ -294,7 +307,9 @@ ENTRY = FusedOp(
         torch.ops.seqfast.linear_cross_entropy_backward.default: scaled,
     },
     kernels={
-        torch.ops.seqfast.linear_cross_entropy.default: lambda call: [ce.spec("forward_grad")],
+        torch.ops.seqfast.linear_cross_entropy.default: lambda call: [
+            ce.spec("forward_grad", call["smoothing"])
+        ],
         torch.ops.seqfast.linear_cross_entropy_backward.default: lambda call: [],
     },
     saves="the finished gradients of the hidden states, the weight and the bias (the forward"

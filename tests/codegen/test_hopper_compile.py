@@ -302,7 +302,7 @@ CROSS_ENTROPY = textwrap.dedent(
     """
     from seqcompile.ops import cross_entropy
 
-    fn = kernel_function(cross_entropy.spec("forward_grad")).jit
+    fn = kernel_function(cross_entropy.spec("forward_grad", 0.0)).jit
     sig = {name: "i32" if name.endswith("_stride") else "*fp32" for name in fn.arg_names}
     sig.update(LOGITS="*bf16", TARGET="*i64", V="i32", ignore_index="i64", smoothing="fp32",
                BLOCK_V="constexpr")
