@@ -97,7 +97,8 @@ def samples() -> Iterator[Sample]:
 
 
 def _values(g) -> Iterator[Sample]:
-    """NaN and +-inf in one row of each operand, and a bias row of -inf (every key hidden)."""
+    """NaN and +-inf in one row of each operand, and a bias row of -inf (every key hidden); the
+    q, k and v rows also without a bias, where the kernels keep scores in log2 units."""
     edits = {
         "nan-q-row": ("q", (0, 1, 3), math.nan),
         "inf-q-row": ("q", (0, 0, 4), math.inf),
@@ -110,6 +111,10 @@ def _values(g) -> Iterator[Sample]:
         args = _call(g, **BASE, bias=randn(g, 1, BASE["h"], BASE["lq"], BASE["lk"]))
         args[operand][row] = value
         yield _sample(name, args)
+        if operand != "bias":
+            args = _call(g, **BASE)
+            args[operand][row] = value
+            yield _sample(f"{name}-no-bias", args)
 
 
 def _features(g) -> Iterator[Sample]:
