@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _lock = threading.Lock()
 _open: list[collections.Counter[str]] = []
@@ -22,9 +23,10 @@ def for_kernel(
     make: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous,
 ) -> torch.Tensor:
     """`make(t)` (by default `t.contiguous()`), counted as a copy of `op`'s `argument` where it
-    made one (it holds other memory than `t`)."""
+    made one (it holds other memory than `t`). A trace (fake values: a lowering traced at
+    compile time) copies nothing and counts nothing."""
     laid_out = make(t)
-    if _open and t.numel() and laid_out.untyped_storage().data_ptr() != _storage(t):
+    if _open and t.numel() and not is_fake(t) and _storage(laid_out) != _storage(t):
         label = f"{op}: {argument} {tuple(t.shape)} strides {t.stride()}"
         with _lock:
             for count in _open:

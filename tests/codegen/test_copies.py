@@ -39,3 +39,19 @@ def test_explain_reports_the_copies_of_its_run(interpret):
     assert report.counts["loss"] == 1
     assert report.copies == {"cross_entropy: logits (4, 7) strides (1, 4)": 1}, report.copies
     assert "cross_entropy: logits (4, 7) strides (1, 4): 1x" in str(report)
+
+
+def test_explain_with_inductor_traces_lowerings_without_counting_copies(monkeypatch):
+    """With rest="inductor" on CPU each fused call is traced at fake values into its lowering;
+    a copy there has no storage to compare (explain crashed reading its pointer) and counts as
+    none: the run itself took the reference, which copies nothing."""
+
+    def attention(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        return (torch.softmax(scores, -1) @ v).sum()
+
+    q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in "qkv")
+    monkeypatch.setenv("SEQFAST_REST", "inductor")
+    report = seqcompile.explain(attention, q, k, v)
+    assert report.counts["attention"] == 1
+    assert report.copies == {}
