@@ -203,6 +203,86 @@ def _clamp(node: Node, a: list[str], p: _Printer) -> str:
     return x
 
 
+def _rounding(fn: str) -> _Rule:
+    """floor, ceil, trunc and round: the identity on integers."""
+
+    def rule(node: Node, a: list[str], p: _Printer) -> str:
+        if not node.meta["val"].dtype.is_floating_point:
+            return a[0]
+        if fn == "round":
+            exact = "4503599627370496.0" if p.float_type == "tl.float64" else "8388608.0"
+            return f"round_half_even({a[0]}, {exact})"
+        return f"{fn}({a[0]})"
+
+    return rule
+
+
+def _float_binary(fn: str) -> _Rule:
+    """A helper of two floating operands (integers refused: their rules differ)."""
+
+    def rule(node: Node, a: list[str], p: _Printer) -> str:
+        if not node.meta["val"].dtype.is_floating_point:
+            raise Unprintable(f"{node.target} of integers")
+        return f"{fn}({p.as_float(a[0], node.args[0])}, {p.as_float(a[1], node.args[1])})"
+
+    return rule
+
+
+def _quotient(node: Node, a: list[str], p: _Printer) -> str:
+    """`div(a, b, rounding_mode=...)`: the quotient truncated or floored."""
+    mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
+    if not node.meta["val"].dtype.is_floating_point:
+        raise Unprintable(f"{node.target} of integers")
+    q = f"({a[0]} / {a[1]})"
+    return {"trunc": f"trunc({q})", "floor": f"tl.floor({q})"}.get(mode, q)
+
+
+def _modulo(floored: bool) -> _Rule:
+    """fmod (the remainder of the truncated quotient) and remainder (of the floored one)."""
+
+    def rule(node: Node, a: list[str], p: _Printer) -> str:
+        if not node.meta["val"].dtype.is_floating_point:
+            raise Unprintable(f"{node.target} of integers")
+        q = f"tl.floor({a[0]} / {a[1]})" if floored else f"trunc({a[0]} / {a[1]})"
+        return f"({a[0]} - {q} * {a[1]})"
+
+    return rule
+
+
+def _signbit(x: str, p: _Printer) -> str:
+    bits = "tl.int64" if p.float_type == "tl.float64" else "tl.int32"
+    return f"({x}.to({bits}, bitcast=True) < 0)"
+
+
+def _clamp_tensor(node: Node, a: list[str], p: _Printer) -> str:
+    bounds = (list(node.args) + [None, None])[1:3]
+    x = a[0]
+    if bounds[0] is not None:
+        x = f"tl.maximum({x}, {a[1]})"
+    if bounds[1] is not None:
+        x = f"tl.minimum({x}, {a[2]})"
+    return x
+
+
+def _elu(node: Node, a: list[str], p: _Printer) -> str:
+    alpha, scale, input_scale = (list(node.args) + [1, 1, 1])[1:4]
+    x = a[0]
+    negative = f"{_literal(alpha * scale)} * expm1({x} * {_literal(input_scale)})"
+    return f"tl.where({x} > 0, {x} * {_literal(scale)}, {negative})"
+
+
+def _shrink_backward(node: Node, a: list[str], p: _Printer) -> str:
+    grad, x, lambd = a[0], a[1], node.args[2]
+    inside = f"({x} >= {_literal(-lambd)}) & ({x} <= {_literal(lambd)})"
+    return f"tl.where({inside}, 0.0, {grad})"
+
+
+def _hardtanh(node: Node, a: list[str], p: _Printer) -> str:
+    lo, hi = (list(node.args) + [-1.0, 1.0])[1:3]
+    x, lo, hi = a[0], _literal(lo), _literal(hi)
+    return f"tl.where({x} < {lo}, {lo}, tl.where({x} > {hi}, {hi}, {x}))"
+
+
 _RULES: dict[Any, _Rule] = {
     aten.add.Tensor: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
     aten.add.Scalar: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
@@ -262,6 +342,56 @@ _RULES: dict[Any, _Rule] = {
     aten.zeros_like.default: _constant(-1),
     aten.zeros.default: _constant(-1),
     aten.ones_like.default: _constant(-2),
+    aten.full.default: _constant(1),
+    aten._efficientzerotensor.default: _constant(-1),
+    aten.ldexp.Tensor: lambda n, a, p: f"({a[0]} * tl.exp2({p.as_float(a[1], n.args[1])}))",
+    aten.log1p.default: _unary("log1p"),
+    aten.expm1.default: _unary("expm1"),
+    aten.exp2.default: _unary("tl.exp2"),
+    aten.log2.default: _unary("tl.log2"),
+    aten.log10.default: lambda n, a, p: (
+        f"(tl.log({p.as_float(a[0], n.args[0])}) * 0.4342944819032518)"
+    ),
+    aten.floor.default: _rounding("tl.floor"),
+    aten.ceil.default: _rounding("tl.ceil"),
+    aten.trunc.default: _rounding("trunc"),
+    aten.round.default: _rounding("round"),
+    aten.tan.default: lambda n, a, p: f"(tl.sin({a[0]}) / tl.cos({a[0]}))",
+    aten.atan.default: _unary("atan"),
+    aten.asin.default: lambda n, a, p: f"atan2({a[0]}, tl.sqrt((1.0 - {a[0]}) * (1.0 + {a[0]})))",
+    aten.acos.default: lambda n, a, p: f"atan2(tl.sqrt((1.0 - {a[0]}) * (1.0 + {a[0]})), {a[0]})",
+    aten.sinh.default: _unary("sinh"),
+    aten.cosh.default: _unary("cosh"),
+    aten.asinh.default: _unary("asinh"),
+    aten.acosh.default: _unary("acosh"),
+    aten.atanh.default: _unary("atanh"),
+    aten.erfc.default: lambda n, a, p: f"(1.0 - tl.erf({p.as_float(a[0], n.args[0])}))",
+    aten.erfinv.default: _unary("erfinv"),
+    aten.atan2.default: _float_binary("atan2"),
+    aten.hypot.default: _float_binary("hypot"),
+    aten.fmax.default: _float_binary("fmax"),
+    aten.fmin.default: _float_binary("fmin"),
+    aten.pow.Tensor_Tensor: _float_binary("power"),
+    aten.copysign.Tensor: lambda n, a, p: (
+        f"tl.where({_signbit(p.as_float(a[1], n.args[1]), p)}, -tl.abs({a[0]}), tl.abs({a[0]}))"
+    ),
+    aten.div.Tensor_mode: _quotient,
+    aten.fmod.Tensor: _modulo(floored=False),
+    aten.remainder.Tensor: _modulo(floored=True),
+    aten.isnan.default: lambda n, a, p: f"({a[0]} != {a[0]})",
+    aten.isinf.default: lambda n, a, p: f'(tl.abs({a[0]}) == float("inf"))',
+    aten.signbit.default: lambda n, a, p: _signbit(p.as_float(a[0], n.args[0]), p),
+    aten.angle.default: lambda n, a, p: (
+        f"tl.where({a[0]} != {a[0]}, {a[0]}, tl.where({a[0]} < 0, 3.141592653589793, 0.0))"
+    ),
+    aten.clamp.Tensor: _clamp_tensor,
+    aten.elu.default: _elu,
+    aten.leaky_relu.default: lambda n, a, p: (
+        f"tl.where({a[0]} > 0, {a[0]}, {a[0]} * {_literal(n.args[1] if len(n.args) > 1 else 0.01)})"
+    ),
+    aten.hardtanh.default: _hardtanh,
+    aten.hardshrink_backward.default: _shrink_backward,
+    aten.softshrink_backward.default: _shrink_backward,
 }
 for _name, _op in (
     ("eq", "=="),

@@ -16,10 +16,13 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functionalize
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from seqcompile.codegen.pointwise import PRINTABLE
 
 aten = torch.ops.aten
 _STAND_IN = (2,)
@@ -32,6 +35,22 @@ _IDENTITY = (
     aten.clone.default,
     aten.lift_fresh_copy.default,
 )
+
+_FILLS = {aten.zeros.default: 0, aten.ones.default: 1, aten._efficientzerotensor.default: 0}
+"""Factories of a constant at a size, with their value (`full` and `full_like`: an argument)."""
+_EMPTY = (aten.empty.memory_format, aten.empty_permuted.default, aten.empty_strided.default)
+
+
+def _made_at_stand_in_size(node: Node) -> bool:
+    """A constant the trace made at the stand-ins' size: a fill, `full`, or `full_like` of an
+    empty tensor so made."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.full_like.default:
+        made = node.args[0]
+        return made.op == "call_function" and made.target in _EMPTY and made.args[0] == [*_STAND_IN]
+    fills = node.target in _FILLS or node.target is aten.full.default
+    return fills and node.args[0] == [*_STAND_IN]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +124,37 @@ StandIn = tuple[torch.dtype, bool]
 
 
 def _clean(gm: GraphModule) -> GraphModule:
-    """Drop identity ops and dead code from a traced graph."""
+    """Drop identity ops and dead code from a traced graph; a constant made at the stand-ins'
+    shape (a decomposition's `zeros`) becomes a 0-d one, which broadcasts at any shape."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _IDENTITY:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+        elif _made_at_stand_in_size(node):
+            value = _FILLS[node.target] if node.target in _FILLS else node.args[1]
+            dtype = node.meta["val"].dtype
+            with gm.graph.inserting_before(node):
+                scalar = gm.graph.call_function(
+                    aten.scalar_tensor.default, (value,), {"dtype": dtype}
+                )
+            scalar.meta["val"] = node.meta["val"].new_empty(()).to(dtype)
+            node.replace_all_uses_with(scalar)
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+@functools.cache
+def _decompositions() -> dict:
+    """Torch's decompositions into core ATen of the ops the Triton printer does not spell itself
+    (softplus, elu's backward, logaddexp, ...): a region's graph holds only the printer's ops
+    where torch writes an op in terms of them."""
+    return {
+        op: fn
+        for op, fn in core_aten_decompositions().items()
+        if op not in PRINTABLE and not op._schema.is_mutable  # functionalize takes those
+    }
 
 
 def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
@@ -125,10 +167,11 @@ def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
             stand_ins = [
                 torch.empty(_STAND_IN, dtype=dtype, requires_grad=grad) for dtype, grad in inputs
             ]
-            traced = make_fx(fn)(*stand_ins)
+            traced = make_fx(fn, decomposition_table=_decompositions())(*stand_ins)
             # autograd's formulas may write in place (clamp's mask): retrace without mutations
             plain = [t.detach() for t in stand_ins]
-            return _clean(make_fx(functionalize(traced, remove="mutations_and_views"))(*plain))
+            functional = functionalize(traced, remove="mutations_and_views")
+            return _clean(make_fx(functional, decomposition_table=_decompositions())(*plain))
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

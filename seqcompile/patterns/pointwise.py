@@ -10,10 +10,9 @@ A pointwise user pattern's match becomes a region of its own, named after the pa
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, Node
 
 from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
@@ -30,77 +29,15 @@ from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.patterns.pointwise_ops import element_wise, refusal, unsupported_ops
 from seqcompile.report import Missed
-from seqcompile.run import runtime
 
 aten = torch.ops.aten
 FAMILY = pointwise_op.ENTRY.family
 _FOLDED_BIAS = "seqfast_folded_bias"
 """Node meta key on the add a linear's bias was moved into."""
 
-_COMPARISONS = [
-    getattr(getattr(aten, name), overload)
-    for name in ("eq", "ne", "lt", "le", "gt", "ge")
-    for overload in ("Tensor", "Scalar")
-]
-SUPPORTED = frozenset(
-    [
-        aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
-        aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
-        aten.neg.default, aten.reciprocal.default, aten.where.self, aten.where.ScalarOther,
-        aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-        aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
-        aten.logical_xor.default, aten.bitwise_not.default, aten.relu.default, aten.gelu.default,
-        aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.exp.default,
-        aten.log.default, aten.sqrt.default, aten.rsqrt.default, aten.erf.default,
-        aten.abs.default, aten.sin.default, aten.cos.default, aten.sign.default,
-        aten.sgn.default, aten.pow.Tensor_Scalar, aten.pow.Scalar,
-        aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default,
-        aten.minimum.default, aten.to.dtype, aten._to_copy.default, aten.clone.default,
-        aten.dropout.default, aten.square.default, aten.min.other, aten.max.other,
-        aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, *_COMPARISONS,
-    ]
-)  # fmt: skip
-"""Pre-dispatch ATen ops a region may hold."""
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.clone.default)
-_DTYPES = frozenset(
-    [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int8,
-     torch.uint8, torch.int16, torch.int32, torch.int64]
-)  # fmt: skip
-
-
-def refusal(node: Node) -> Reject | None:
-    """Why `node` cannot join a pointwise region (None: it can)."""
-    if node.target not in SUPPORTED:
-        return Reject("{} is not supported by the pointwise fuser", node.target)
-    out = tensor_val(node)
-    if out is None or out.dtype not in _DTYPES or not runtime.runs_fused_ops(out.device):
-        return Reject("{} produces a value the kernels do not take", node.target)
-    for a in [*node.args, *node.kwargs.values()]:
-        if isinstance(a, Node):
-            v = tensor_val(a)
-            if v is None or v.device != out.device or v.dtype not in _DTYPES:
-                return Reject("{} reads a non-tensor or another device's tensor", node.target)
-        elif isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
-            return Reject("{} has a symbolic scalar argument", node.target)
-        elif isinstance(a, list | tuple):
-            return Reject("{} has a list argument", node.target)
-    if node.target is aten._to_copy.default and node.kwargs.get("device", out.device) != out.device:
-        return Reject("a copy to another device")
-    if node.target is aten.dropout.default:
-        p, train = arg(node, 1, "p"), arg(node, 2, "train")
-        if not isinstance(p, numbers.Real) or not 0 < p < 1 or train is not True:
-            return Reject("dropout with p={} train={}", p, train)
-    return None
-
-
-def unsupported_ops(gm: GraphModule) -> list[str]:
-    """The ops of `gm` that cannot join a pointwise region, each once."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target not in SUPPORTED:
-            found.append(str(node.target))
-    return sorted(set(found))
 
 
 def region_of_function(fn, example_inputs) -> regions.Region:
@@ -316,7 +253,7 @@ def _borders(
     """Refused element-wise ops next to a region about to be fused, with their neighbours."""
     borders = {}
     for node, refused in refusals.items():
-        if refused is None or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+        if refused is None or not element_wise(node.target):
             continue
         neighbours = (set(node.all_input_nodes) | set(node.users)) & candidates
         if neighbours:

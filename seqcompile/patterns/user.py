@@ -36,7 +36,8 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.normalize import normalize_graph
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite, run_patterns
-from seqcompile.patterns.pointwise import USED_EARLY, match_region, unsupported_ops
+from seqcompile.patterns.pointwise import USED_EARLY, match_region
+from seqcompile.patterns.pointwise_ops import unsupported_ops
 from seqcompile.patterns.user_literals import (
     LITERAL,
     calls,

@@ -1,0 +1,146 @@
+"""Every element-wise ATen op with a derivative formula, alone in a region, forward and gradient,
+on both paths, against the op run eagerly in float64. The ops are read from torch's own metadata
+(the pointwise tag the fuser reads), their arguments from each op's schema, and each op's inputs
+from where the op is defined: mixed signs where it is defined there, else (0.1, 0.9), else
+(1.1, 3). An op the kernels cannot spell is refused with the reason, and is listed here."""
+
+import warnings
+
+import pytest
+import torch
+
+from seqcompile.codegen.pointwise import Unprintable, jit_function
+from seqcompile.ops import pointwise_region as regions
+from seqcompile.patterns.pointwise_ops import element_wise
+from tests.ops.test_pointwise import check, run
+
+aten = torch.ops.aten
+UNSPELLED = {
+    "aten.digamma.default", "aten.lgamma.default", "aten.polygamma.default",
+    "aten.mvlgamma.default", "aten.i0.default", "aten.special_i0e.default",
+    "aten.special_i1.default", "aten.special_i1e.default", "aten.special_erfcx.default",
+    "aten.special_log_ndtr.default", "aten.special_ndtri.default", "aten.nextafter.default",
+    "aten.frexp.Tensor",
+}  # fmt: skip
+"""Ops with a derivative whose forward or gradient has no Triton spelling (special functions)."""
+_CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
+_DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
+
+
+def _arguments(op):
+    """The op's positional arguments: each Tensor a slot (None), every other argument its
+    default or a plain constant; None where the schema takes something else."""
+    args = []
+    for a in op._schema.arguments:
+        kind = str(a.type)
+        if kind == "Tensor":
+            args.append(None)
+        elif a.has_default_value():
+            break
+        elif kind in _CONSTANTS:
+            args.append(_CONSTANTS[kind])
+        else:
+            return None
+    return args if None in args else None
+
+
+def _inputs(args, domain, seed):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = domain
+    count = args.count(None)
+    return [
+        (lo + (hi - lo) * torch.rand(3, 5, generator=g, dtype=torch.float64)).requires_grad_()
+        for _ in range(count)
+    ]
+
+
+def _call(op, args):
+    """The op, then a scale: a region's output is never its input (`clone`, `positive`), and
+    an op whose gradient is the incoming one (`add`) still has a backward kernel."""
+
+    def fn(*tensors):
+        it = iter(tensors)
+        out = op(*(next(it) if a is None else a for a in args))
+        if not isinstance(out, torch.Tensor):
+            return out
+        return out * 1.5 if out.is_floating_point() else out
+
+    return fn
+
+
+def _sample(op):
+    """(fn, args, float64 inputs) where the op is defined and differentiable; None where it
+    has no derivative formula."""
+    args = _arguments(op)
+    if args is None:
+        return None
+    for domain in _DOMAINS:
+        inputs = _inputs(args, domain, seed=0)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = _call(op, args)(*inputs)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return None
+        outs = out if isinstance(out, tuple) else (out,)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            return None
+        floating = [o for o in outs if o.is_floating_point()]
+        if not floating or not all(o.requires_grad for o in floating):
+            return None
+        if all(torch.isfinite(o).all() for o in floating):
+            break
+    try:
+        torch.autograd.grad(floating, inputs, [torch.ones_like(o) for o in floating])
+    except (RuntimeError, NotImplementedError):
+        return None  # no derivative formula
+    return _call(op, args), inputs
+
+
+def _differentiable():
+    found = {}
+    for name in dir(aten):
+        packet = getattr(aten, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if element_wise(op) and torch.Tag.pointwise in op.tags:
+                sample = _sample(op)
+                if sample is not None:
+                    found[str(op)] = sample
+    return found
+
+
+DIFFERENTIABLE = _differentiable()
+
+
+def test_the_sweep_covers_the_element_wise_ops_people_write():
+    """The list is read from torch, so a filter that went wrong would shrink it silently."""
+    assert len(DIFFERENTIABLE) >= 90
+    for name in ("softplus", "ceil", "log1p", "expm1", "atan2", "erfinv", "lerp", "hypot"):
+        assert any(key.startswith(f"aten.{name}.") for key in DIFFERENTIABLE), name
+    assert UNSPELLED <= set(DIFFERENTIABLE)
+
+
+@pytest.mark.parametrize("name", sorted(set(DIFFERENTIABLE) - UNSPELLED))
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+def test_every_element_wise_op_alone(impl, name):
+    fn, inputs = DIFFERENTIABLE[name]
+    check(*run(fn, [t.detach().float().requires_grad_() for t in inputs]))
+
+
+@pytest.mark.parametrize("name", sorted(UNSPELLED))
+def test_an_op_without_a_spelling_is_refused_with_the_reason(name):
+    fn, inputs = DIFFERENTIABLE[name]
+    stand_ins = [(torch.float32, True)] * len(inputs)
+    with pytest.raises((Unprintable, regions.UnsupportedRegion), match="Triton spelling|tracing"):
+        jit_function(regions.trace(lambda *t: _grads(fn, t), stand_ins), "alone")
+
+
+def _grads(fn, tensors):
+    out = fn(*tensors)
+    outs = out if isinstance(out, tuple) else (out,)
+    floating = [o for o in outs if o.is_floating_point()]
+    grads = torch.autograd.grad(floating, tensors, [torch.ones_like(o) for o in floating])
+    return [*outs, *grads]
