@@ -98,3 +98,26 @@ def test_kernels_under_the_interpreter_stay_opaque_to_inductor(interpret, monkey
     _, _, given = _step(monkeypatch, "inductor")
     forward_calls = given[0][0]
     assert "seqfast.attention.default" in forward_calls, forward_calls
+
+
+def test_attention_shaped_math_seqfast_leaves_is_not_rewritten_by_inductor_into_sdpa():
+    """A softmax over the queries (dim -2) between two batched matmuls is no attention, and seqfast
+    leaves it to the executor; Inductor's joint-graph pattern matcher rewrote it into SDPA, a
+    softmax over the keys (wrong outputs, and a gradient in other strides, which the structural
+    check caught). The joint passes run without the matcher there: outputs and gradients match."""
+
+    def scores(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -2) @ v
+
+    q, k, v = (
+        torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(int(i))) for i in "012"
+    )
+    fast = [t.clone().requires_grad_() for t in (q, k, v)]
+    slow = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(scores, backend="seqfast", options={"rest": "inductor"})
+    out, expected = compiled(*fast), scores(*slow)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    out.sum().backward()
+    expected.sum().backward()
+    for a, e in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a.grad, e.grad, **TOLERANCES[torch.float32])

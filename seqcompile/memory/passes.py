@@ -32,6 +32,7 @@ from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, KernelUse, MemoryPlan
 
+aten = torch.ops.aten
 log = logging.getLogger("seqcompile")
 
 
@@ -273,14 +274,26 @@ def checked_joint_passes(
 def _executor_joint_passes(gm: GraphModule, fake_mode: Any, state: Compile) -> GraphModule:
     """Inductor lowers a forward or backward graph only after its passes over the joint graph
     (random ops, for one, become its own seeded ops); they run here, where Inductor's own
-    partitioner would run them."""
+    partitioner would run them. Where the graph still holds attention-shaped math (a batched
+    matmul and a softmax seqfast did not fuse), the passes run without Inductor's pattern
+    matcher: its rewrite of such math into SDPA takes a softmax over another dim for one over
+    the keys and computes something else."""
     if state.rest != "inductor":
         return gm
+    from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._inductor.virtualized import V
 
-    with V.set_fake_mode(fake_mode):
+    with V.set_fake_mode(fake_mode), config.patch(pattern_matcher=not _attention_shaped(gm)):
         return joint_graph_passes(gm) or gm
+
+
+_SOFTMAX_PARTS = (aten.amax.default, aten._softmax.default, aten._safe_softmax.default)
+
+
+def _attention_shaped(gm: GraphModule) -> bool:
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    return aten.bmm.default in targets and any(t in targets for t in _SOFTMAX_PARTS)
 
 
 def parameter_positions(state: Compile) -> list[int]:
