@@ -92,7 +92,7 @@ def capture(gm: GraphModule, state: GraphCompile) -> Captured:
 
 def normalize(captured: Captured, state: GraphCompile) -> Captured:
     """Stage 2: one spelling per idea."""
-    fired = normalize_graph(captured.gm, captured.fake_mode)
+    fired = normalize_graph(captured.gm, captured.fake_mode, report=state.report)
     log.debug("%s: normalization rules fired: %s", state.name, dict(fired))
     return captured
 

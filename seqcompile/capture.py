@@ -34,8 +34,9 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
-from seqcompile import autocast
-from seqcompile.fx_utils import site_name
+from seqcompile import autocast, custom_function
+from seqcompile.custom_function import AUTOGRAD_FUNCTION, has_one_output
+from seqcompile.fx_utils import grad_enabled_at, site_name
 from seqcompile.report import Missed
 
 
@@ -67,13 +68,13 @@ def trace_pre_dispatch(
 
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(run, pre_dispatch=True)(*inputs)
+    _drop_grad_mode_round_trips(traced)
     autocast.make_autocast_explicit(traced, fake_mode)
     traced.meta["capture_notes"] = notes
     return traced
 
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
 DATA = torch._C._autograd._get_data_attr
 """`tensor.data` as Dynamo records it; traced as is, the result is a new tensor make_fx keeps as a
 constant (the fake value at trace time) instead of a node reading the input."""
@@ -110,6 +111,9 @@ class _CaptureInterpreter(torch.fx.Interpreter):
                     " place (ctx.mark_dirty); kept as one node, later readers of those inputs"
                     " would not see the change"
                 )
+            if has_one_output(args[0]):  # one node, which the pointwise fuser may take
+                key = custom_function.register(*args[:2])
+                return (_record_opaque(custom_function.apply_one, (key, *args[2:]), kwargs),)
             self.notes.append(
                 Missed(
                     site_name(self.node),
@@ -137,6 +141,26 @@ class _CaptureInterpreter(torch.fx.Interpreter):
             if node.op in ("call_function", "call_method", "call_module"):
                 node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 node.meta["ac_graph_id"] = region
+
+
+def _drop_grad_mode_round_trips(gm: GraphModule) -> None:
+    """Grad mode turned off and straight back on, where it was on (what tracing a custom
+    Function's call leaves behind it), changes nothing: the two nodes go, so the ops on both
+    sides may join one region."""
+    for node in list(gm.graph.nodes):
+        after = node.next
+        if (
+            node.op == "call_function"
+            and node.target is torch._C._set_grad_enabled
+            and node.args == (False,)
+            and after.op == "call_function"
+            and after.target is torch._C._set_grad_enabled
+            and after.args == (True,)
+            and grad_enabled_at(node)
+        ):
+            gm.graph.erase_node(node)
+            gm.graph.erase_node(after)
+    gm.recompile()
 
 
 def _record_opaque(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

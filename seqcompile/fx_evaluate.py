@@ -203,3 +203,44 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return value.cpu()
     return value
+
+
+def evaluate_from(node: Node, given: Mapping[Node, torch.Tensor], sizes: Sizes) -> Any:
+    """`node`'s value computed from `given` values of some nodes it depends on (at any shape the
+    ops take: a row-wise computation on a few rows), the size arguments at `sizes`; `Unevaluated`
+    where it reads another input, draws random numbers or writes in place."""
+    values: dict[Node, Any] = dict(given)
+    stack = [node]
+    while stack:
+        current = stack[-1]
+        if current in values:
+            stack.pop()
+            continue
+        fake = val(current)
+        pending = [n for n in current.all_input_nodes if n not in values]
+        if pending and current.op == "call_function" and not _is_size(fake):
+            stack.extend(pending)
+            continue
+        stack.pop()
+        if _is_size(fake):
+            values[current] = size_at(fake, sizes)
+        elif current.op == "get_attr":
+            values[current] = _on_cpu(getattr(current.graph.owning_module, current.target, None))
+        elif current.op != "call_function":
+            return Unevaluated(f"it reads {current.name}, which is not given")
+        elif torch.Tag.nondeterministic_seeded in getattr(current.target, "tags", ()):
+            return Unevaluated(f"{current.name} is random")
+        elif writes_in_place(current):
+            return Unevaluated(f"{current.name} writes in place")
+        else:
+            args, kwargs = tree_map(
+                lambda a: values[a] if isinstance(a, Node) else _on_cpu(a),
+                (current.args, current.kwargs),
+            )
+            try:
+                values[current] = current.target(*args, **kwargs)
+            except _EVALUATION_ERRORS as error:
+                return Unevaluated(f"{current.name} ({current.target}) failed: {error}")
+        if isinstance(values[current], Unevaluated):
+            return values[current]
+    return values[node]

@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile import normalize_loss
+from seqcompile import normalize_loss, normalize_math, normalize_nll
 from seqcompile.fx_aliasing import written_through_a_view
 from seqcompile.fx_utils import (
     RESHAPES,
@@ -26,9 +26,11 @@ from seqcompile.fx_utils import (
     in_layout_of,
     insert_call,
     is_call,
+    site_name,
     source_meta,
     tensor_val,
 )
+from seqcompile.report import CompileReport, Missed
 
 aten = torch.ops.aten
 Rewrite = Callable[[Node, "RuleContext"], Node | None]
@@ -40,6 +42,14 @@ class RuleContext:
     fake_mode: Any
     site: Node | None = None
     """The node being rewritten; new nodes inherit its source location."""
+    notes: list[tuple[str, Missed]] = dataclasses.field(default_factory=list)
+    """What the rules tell the report: ("rewritten", "refuted" or "missed", the site and what of
+    it)."""
+    checked: set[Node] = dataclasses.field(default_factory=set)
+    """Nodes a rule's evaluation refuted, not read again."""
+
+    def note(self, kind: str, rule: str, node: Node, text: str) -> None:
+        self.notes.append((kind, Missed(site_name(node), rule, text)))
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         node = insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
@@ -346,13 +356,20 @@ RULES: list[Rule] = [
     Rule("rsqrt_spellings", _rsqrt_spellings),
     Rule("bmm_as_matmul", _bmm_as_matmul),
     Rule("einsum_as_matmul", _einsum_as_matmul),
+    Rule("math_written_out", normalize_math.written_out),
+    Rule("negation_inside", normalize_nll.negation_inside),
+    Rule("nll_rows_written_out", normalize_nll.rows_written_out),
+    Rule("reduced_rows", normalize_nll.reduced_rows),
     Rule("nll_of_log_softmax", normalize_loss.nll_of_log_softmax),
     Rule("smoothed_nll_written_out", normalize_loss.smoothed_nll_written_out),
 ]
 
 
-def normalize_graph(gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES) -> Counter[str]:
-    """Apply `rules` until none fires; returns how many times each one fired."""
+def normalize_graph(
+    gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES, report: CompileReport | None = None
+) -> Counter[str]:
+    """Apply `rules` until none fires; returns how many times each one fired. What the rules
+    read written out, or refuted, goes to `report`."""
     ctx = RuleContext(gm, fake_mode)
     fired: Counter[str] = Counter()
     changed = True
@@ -377,4 +394,8 @@ def normalize_graph(gm: GraphModule, fake_mode: Any, rules: list[Rule] = RULES) 
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+    if report is not None:
+        report.rewritten += [m for kind, m in ctx.notes if kind == "rewritten"]
+        report.refuted += [m for kind, m in ctx.notes if kind == "refuted"]
+        report.missed += [m for kind, m in ctx.notes if kind == "missed"]
     return fired

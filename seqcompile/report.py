@@ -94,8 +94,12 @@ class CompileReport:
     counts: Counter[str] = dataclasses.field(default_factory=Counter)
     missed: list[Missed] = dataclasses.field(default_factory=list)
     refuted: list[Missed] = dataclasses.field(default_factory=list)
-    """Readings of a mask or bias from its code that evaluating the code refuted: the site reads
-    that tensor as it is instead."""
+    """Readings that evaluating the model's code refuted: of a mask or bias (the site reads that
+    tensor as it is instead), of math written out as the op it seemed to compute (it stays as
+    written)."""
+    rewritten: list[Missed] = dataclasses.field(default_factory=list)
+    """Math written out that normalize read as the op it computes, each reading confirmed by
+    evaluating its code (`normalize_math.py`), as (site, op, what it was read as)."""
     kernels: list[KernelUse] = dataclasses.field(default_factory=list)
     memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
     graphs: list[str] = dataclasses.field(default_factory=list)
@@ -129,6 +133,7 @@ class CompileReport:
         self.counts.update(other.counts)
         self.missed.extend(other.missed)
         self.refuted.extend(other.refuted)
+        self.rewritten.extend(other.rewritten)
         for kernel in other.kernels:
             self.add_kernel(kernel)
         self.memory.extend(other.memory)
@@ -149,8 +154,11 @@ class CompileReport:
             lines.append("  (none)")
         lines += ["", "recognized but not fused:"]
         lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.missed] or ["  (none)"]
+        if self.rewritten:
+            lines += ["", "math written out, read as the op it computes (checked by evaluation):"]
+            lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.rewritten]
         if self.refuted:
-            lines += ["", "readings refuted by evaluating the model's code (read as tensors):"]
+            lines += ["", "readings refuted by evaluating the model's code (left as written):"]
             lines += [f"  {m.pattern}: {m.site}: {m.reason}" for m in self.refuted]
         lines += ["", "generated kernels (those the compiled graphs launch):"]
         lines += _kernel_lines(self.kernels) or ["  (none)"]

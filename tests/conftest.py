@@ -129,6 +129,15 @@ def impl(request, monkeypatch):
     return request.param
 
 
+KERNELS_IN_SLOW_TIER = pytest.mark.parametrize(
+    "impl",
+    ["reference", pytest.param("kernels", marks=(pytest.mark.interpreter, pytest.mark.slow))],
+    indirect=True,
+)
+"""`impl`'s two paths, the kernels' in the slow tier: for sweeps whose kernel path another test of
+the default run already takes (the default run has a time budget)."""
+
+
 def expected_kernels(item: pytest.Item) -> tuple[str, ...] | None:
     """The kernels a kernel-tier test must launch (`LaunchCount.of` names; none: a test of what
     the kernel path does without launching, such as empty inputs). None outside the tier, or

@@ -238,15 +238,26 @@ def _quotient(node: Node, a: list[str], p: _Printer) -> str:
 
 
 def _modulo(floored: bool) -> _Rule:
-    """fmod (the remainder of the truncated quotient) and remainder (of the floored one)."""
+    """fmod (the remainder of the truncated quotient) and remainder (of the floored one); on
+    integers Triton's `%` truncates, and the floored remainder takes the divisor's sign."""
 
     def rule(node: Node, a: list[str], p: _Printer) -> str:
         if not node.meta["val"].dtype.is_floating_point:
-            raise Unprintable(f"{node.target} of integers")
+            if not floored:
+                return f"({a[0]} % {a[1]})"
+            r = f"({a[0]} % {a[1]})"
+            return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
         q = f"tl.floor({a[0]} / {a[1]})" if floored else f"trunc({a[0]} / {a[1]})"
         return f"({a[0]} - {q} * {a[1]})"
 
     return rule
+
+
+def _polygamma(order: Any, x: str) -> str:
+    """The derivatives of log Gamma the kernels spell: digamma (order 0) and trigamma (1)."""
+    if order not in (0, 1):
+        raise Unprintable(f"polygamma of order {order!r} has no Triton spelling")
+    return f"{'digamma' if order == 0 else 'trigamma'}({x})"
 
 
 def _signbit(x: str, p: _Printer) -> str:
@@ -367,6 +378,12 @@ _RULES: dict[Any, _Rule] = {
     aten.atanh.default: _unary("atanh"),
     aten.erfc.default: lambda n, a, p: f"(1.0 - tl.erf({p.as_float(a[0], n.args[0])}))",
     aten.erfinv.default: _unary("erfinv"),
+    aten.lgamma.default: _unary("lgamma"),
+    aten.digamma.default: _unary("digamma"),
+    aten.polygamma.default: lambda n, a, p: _polygamma(n.args[0], p.as_float(a[1], n.args[1])),
+    aten.special_ndtri.default: lambda n, a, p: (
+        f"(1.4142135623730951 * erfinv(2.0 * {p.as_float(a[0], n.args[0])} - 1.0))"
+    ),
     aten.atan2.default: _float_binary("atan2"),
     aten.hypot.default: _float_binary("hypot"),
     aten.fmax.default: _float_binary("fmax"),
@@ -377,7 +394,9 @@ _RULES: dict[Any, _Rule] = {
     ),
     aten.div.Tensor_mode: _quotient,
     aten.fmod.Tensor: _modulo(floored=False),
+    aten.fmod.Scalar: _modulo(floored=False),
     aten.remainder.Tensor: _modulo(floored=True),
+    aten.remainder.Scalar: _modulo(floored=True),
     aten.isnan.default: lambda n, a, p: f"({a[0]} != {a[0]})",
     aten.isinf.default: lambda n, a, p: f'(tl.abs({a[0]}) == float("inf"))',
     aten.signbit.default: lambda n, a, p: _signbit(p.as_float(a[0], n.args[0]), p),

@@ -23,6 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.pointwise import PRINTABLE
+from seqcompile.custom_function import apply_one
 
 aten = torch.ops.aten
 _STAND_IN = (2,)
@@ -69,6 +70,9 @@ class Region:
     """Drop probability of each dropout, in the order of the mask placeholders."""
     name: str | None = None
     """The user pattern the region is a match of (its kernels carry the name)."""
+    program: GraphModule | None = None
+    """The region's program before tracing, where it calls a custom autograd.Function: the
+    backward is traced through it, so the Function's own backward is what the kernel computes."""
 
     @property
     def num_inputs(self) -> int:
@@ -193,12 +197,16 @@ def register(
     inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
     forward = trace(module, inputs)
     text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
+    calls = [n for n in graph.nodes if n.target is apply_one]  # (their keys are in the code)
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if name is not None:
         key = f"{name}_{key}"
     region = _registry.get(key)
     if region is None:
-        region = Region(key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p), name)
+        region = Region(
+            key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p), name,
+            module if calls else None,
+        )  # fmt: skip
         _registry[key] = region
     return region
 
@@ -227,12 +235,20 @@ def backward_plan(
             flat[count : count + num_masks],
             iter(flat[count + num_masks :]),
         )
-        outs = region.forward(*inputs, *masks)
+        outs = (region.program or region.forward)(*inputs, *masks)
         grads = [_sum([next(terms) for _ in range(n)]) for n in grad_terms]
-        chosen = [o for o, n in zip(outs, grad_terms, strict=True) if n]
+        # an output no differentiated input reaches (a weight of a constant) gets a gradient
+        # when the fused op's other outputs require one; it adds nothing to the inputs'
+        flowing = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+        flowing = [(o, g) for o, g in flowing if o.requires_grad]
         wrt = [x for x, need in zip(inputs, needs_grad, strict=True) if need]
-        present = [g for g in grads if g is not None]
-        input_grads = torch.autograd.grad(chosen, wrt, present, allow_unused=True)
+        input_grads = (
+            torch.autograd.grad(
+                [o for o, _ in flowing], wrt, [g for _, g in flowing], allow_unused=True
+            )
+            if flowing and wrt
+            else [None] * len(wrt)
+        )
         return [*input_grads, *(g for g, w in zip(grads, written, strict=True) if w)]
 
     inputs = [

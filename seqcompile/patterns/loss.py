@@ -35,6 +35,7 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.ops import cross_entropy, linear_cross_entropy, soft_cross_entropy
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.patterns.pointwise_ops import element_wise
 from seqcompile.report import Missed
 
 aten = torch.ops.aten
@@ -64,6 +65,9 @@ class Loss:
     """Nodes between `logits` and the loss that the fused op replaces (upcast, transposes)."""
     soft: bool = False
     """The targets are probabilities of the logits' shape, not class indices."""
+    weight: Node | None = None
+    """Class weights: each row's loss is scaled by its target's weight (outside the kernel), and
+    the mean divides by the sum of the weights of the counted targets, as torch does."""
 
 
 @dataclasses.dataclass
@@ -90,8 +94,6 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     reduction, ignore_index = arg(node, 3, "reduction", _MEAN), arg(node, 4, "ignore_index", -100)
     smoothing = float(arg(node, 5, "label_smoothing", 0.0))
     xv, tv = tensor_val(x), tensor_val(target)
-    if weight is not None:
-        return Reject("class weights are not supported by the fused cross-entropy")
     if xv is None or xv.dim() < 2:
         return Reject("logits of rank {} (the fused loss takes classes on dim 1)", xv.dim())
     soft = tv is not None and tv.dtype.is_floating_point
@@ -117,6 +119,9 @@ def _read_loss(node: Node) -> Loss | Reject | None:
         return Reject("logits dtype {} is not supported (float32, float16, bfloat16)", xv.dtype)
     if not 0.0 <= smoothing <= 1.0:
         return Reject("label_smoothing {} is outside [0, 1]", smoothing)
+    if weight is not None and (soft or smoothing):
+        kind = "probability targets" if soft else "label smoothing"
+        return Reject("class weights with {} are not fused (the kernel weighs no class)", kind)
     logits, order, absorbed = _classes_last(x, node) if xv.dim() > 2 else (x, None, [])
     reader = absorbed[-1] if absorbed else node
     source = logits.args[0] if is_call(logits, aten.to.dtype, aten._to_copy.default) else None
@@ -125,7 +130,9 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     why = _why_not_rows(tensor_val(logits), order) if xv.dim() > 2 else None
     if why is not None:
         return Reject(why)
-    return Loss(node, logits, order, target, reduction, ignore_index, smoothing, absorbed, soft)
+    return Loss(
+        node, logits, order, target, reduction, ignore_index, smoothing, absorbed, soft, weight
+    )
 
 
 def _why_not_soft(logits: torch.Tensor, target: torch.Tensor) -> str | None:
@@ -202,6 +209,32 @@ def _read_linear(logits: Node) -> Linear | None:
     return Linear(node, hidden, weight, bias, views)
 
 
+def _why_no_linear(logits: Node) -> str | None:
+    """Why logits computed from a linear through other ops (a scale, a soft cap) are built whole:
+    what lies between; None where no linear is found a few element-wise ops up."""
+    node, between = logits, []
+    for _ in range(8):
+        operands = [a for a in node.all_input_nodes if _same_elements(a, logits)]
+        if node.op != "call_function" or len(operands) != 1:
+            return None
+        if not (is_call(node, *RESHAPES) or element_wise(node.target)):
+            return None
+        between.append(str(node.target).removeprefix("aten."))
+        node = operands[0]
+        if _read_linear(node) is not None:
+            ops = ", ".join(reversed(between))
+            return (
+                f"the logits come from a linear through {ops}, which the fused linear +"
+                " cross-entropy does not compute, so they are built"
+            )
+    return None
+
+
+def _same_elements(a: Node, b: Node) -> bool:
+    x, y = tensor_val(a), tensor_val(b)
+    return x is not None and y is not None and statically_known_true(x.numel() == y.numel())
+
+
 def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
     """Why the linear feeding the loss cannot join it (None when it can)."""
     chain = {loss.node, *loss.absorbed, *linear.views}
@@ -213,6 +246,8 @@ def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
         return "reduction 'none' needs per-token gradients, so the logits are built"
     if loss.soft:
         return "it takes class indices; against probability targets the logits are built"
+    if loss.weight is not None:
+        return "it weighs no class; with class weights the logits are built"
     if not _only_autocast_between(linear.node, loss.node):
         return "grad mode or an in-place op changes between the linear and the loss"
     return None
@@ -233,6 +268,15 @@ def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
     if loss.soft:  # the mean is over the rows: probability targets ignore none
         reduce = {_NONE: None, _SUM: aten.sum.default, _MEAN: aten.mean.default}[loss.reduction]
         return rows if reduce is None else ctx.call(reduce, rows)
+    target = ctx.call(aten.reshape.default, loss.target, [-1])
+    kept = ctx.call(aten.ne.Scalar, target, loss.ignore_index)
+    counted = kept
+    if loss.weight is not None:  # each row's loss times its target's weight (0 where ignored)
+        index = ctx.call(aten.where.ScalarOther, kept, target, 0)
+        counted = ctx.call(
+            aten.mul.Tensor, ctx.call(aten.index_select.default, loss.weight, 0, index), kept
+        )
+        rows = ctx.call(aten.mul.Tensor, rows, counted)
     if loss.reduction == _NONE:
         if tensor_val(loss.target).dim() == 1:
             return rows
@@ -240,8 +284,7 @@ def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
     total = ctx.call(aten.sum.default, rows)
     if loss.reduction == _SUM:
         return total
-    kept = ctx.call(aten.ne.Scalar, loss.target, loss.ignore_index)
-    return ctx.call(aten.div.Tensor, total, ctx.call(aten.sum.default, kept))
+    return ctx.call(aten.div.Tensor, total, ctx.call(aten.sum.default, counted))
 
 
 def _rows(ctx: FuseContext, loss: Loss) -> Node:
@@ -317,7 +360,7 @@ class LossPattern:
         if loss is None or isinstance(loss, Reject):
             return loss
         linear = _read_linear(loss.logits) if loss.order is None else None
-        why = _why_logits_stay(loss, linear) if linear is not None else None
+        why = _why_logits_stay(loss, linear) if linear is not None else _why_no_linear(loss.logits)
         if why is not None:
             ctx.report.missed.append(Missed(site_name(node), linear_cross_entropy.ENTRY.name, why))
             linear = None

@@ -1,16 +1,19 @@
 """The residual + normalization family: `norm(residual + dropout(x + bias))` in any of its spellings
 becomes one `seqfast::add_norm`.
 
-A match composes independent readers: a *core* (aten `layer_norm`, aten `rms_norm`, or RMSNorm
-written out as T5 and LLaMA do) and a *prologue* on the core's input (a residual add, dropout on
-the branch, a bias on the branch, including a linear's own bias), read through reshapes between
-the sum and the norm that keep the rows (OPT's `(residual + x).view(shape)`). When the sum also
-feeds other nodes (pre-LN blocks), the fused op's second output replaces it there.
+A match composes independent readers: a *core* (aten `layer_norm` or `rms_norm`: normalize reads
+the norms written out, as T5, LLaMA and Cohere write them, as those; its input read through a
+widening cast, a weight read through a cast after it) and a *prologue* on the core's input (a
+residual add, dropout on the branch, a bias on the branch, including a linear's own bias), read
+through reshapes between the sum and the norm that keep the rows (OPT's
+`(residual + x).view(shape)`). When the sum also feeds other nodes (pre-LN blocks), the fused
+op's second output replaces it there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -88,8 +91,8 @@ def _layer_norm_core(node: Node) -> Core | Reject | None:
         return None
     shape = arg(node, 1, "normalized_shape")
     weight, bias = arg(node, 2, "weight"), arg(node, 3, "bias")
-    return _last_dims(node, shape) or Core(
-        node, node.args[0], weight, bias, arg(node, 4, "eps", 1e-5), False, []
+    return _last_dims(node, shape) or _with_epilogue(
+        _core(node, weight, bias, arg(node, 4, "eps", 1e-5), rms=False)
     )
 
 
@@ -98,7 +101,15 @@ def _rms_norm_core(node: Node) -> Core | Reject | None:
         return None
     shape = arg(node, 1, "normalized_shape")
     weight, eps = arg(node, 2, "weight"), arg(node, 3, "eps")
-    return _last_dims(node, shape) or Core(node, node.args[0], weight, None, eps, True, [])
+    return _last_dims(node, shape) or _with_epilogue(_core(node, weight, None, eps, rms=True))
+
+
+def _core(node: Node, weight: Any, bias: Any, eps: float | None, rms: bool) -> Core:
+    """The norm `node`, reading the source of a widening cast of its input (`x.float()`): the
+    kernel computes in float32 whatever it reads."""
+    source = _strip_widening(node.args[0])
+    casts = [node.args[0]] if source is not node.args[0] else []
+    return Core(node, source, weight, bias, eps, rms, casts)
 
 
 def _strip_widening(node: object) -> object:
@@ -108,42 +119,14 @@ def _strip_widening(node: object) -> object:
     return node
 
 
-def _is_last_dim(dims: object, ndim: int) -> bool:
-    return isinstance(dims, list | tuple) and len(dims) == 1 and dims[0] in (-1, ndim - 1)
-
-
-def _handwritten_rms_core(node: Node) -> Core | Reject | None:
-    """`h * rsqrt(mean(h.float() ** 2, -1, keepdim=True) + eps)`, optionally followed by a cast
-    and a multiply by a weight vector (in either order of operands)."""
-    if not is_call(node, aten.mul.Tensor) or len(node.args) != 2:
-        return None
-    rsqrt = next((a for a in node.args if is_call(a, aten.rsqrt.default)), None)
-    if rsqrt is None:
-        return None
-    h = node.args[0] if node.args[1] is rsqrt else node.args[1]
-    add = rsqrt.args[0]
-    if not is_call(add, aten.add.Tensor) or arg(add, 2, "alpha", 1) != 1:
-        return None
-    mean, eps = add.args if isinstance(add.args[1], float | int) else add.args[::-1]
-    if not is_call(mean, aten.mean.dim) or not isinstance(eps, float | int):
-        return None
-    square = mean.args[0]
-    if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2:
-        return None
-    if _strip_widening(square.args[0]) is not _strip_widening(h):
-        return None
-    value = tensor_val(h)
-    dims, keepdim = arg(mean, 1, "dim"), arg(mean, 2, "keepdim", False)
-    if value is None or not keepdim:
-        return None
-    if not _is_last_dim(dims, value.dim()):
-        return Reject("RMSNorm written out averages over dims {}; the kernel takes the last", dims)
-    source = _strip_widening(h)
-    casts = [n for n in (square.args[0], h) if n is not source]
-    core = Core(node, source, None, None, float(eps), True, [add, mean, square, rsqrt, *casts])
-    # An affine epilogue: an optional cast, then a multiply by a weight over the last dim. The
-    # kernel rounds once, to the output dtype, so a cast to anything narrower than the output
-    # (which eager rounds to first) keeps the epilogue out of the fused op.
+def _with_epilogue(core: Core) -> Core:
+    """A norm without weight or bias, followed by an optional cast and a multiply by a weight
+    vector (in either order of operands), takes the weight. The kernel rounds once, to the
+    output dtype, so a cast to anything narrower than the output (which eager rounds to first)
+    keeps the epilogue out of the fused op."""
+    if core.weight is not None or core.bias is not None:
+        return core
+    node = core.out
     follower, cast = only_user(node), None
     if is_call(follower, aten.to.dtype):
         follower, cast = only_user(follower), follower
@@ -152,13 +135,13 @@ def _handwritten_rms_core(node: Node) -> Core | Reject | None:
         other = follower.args[1] if follower.args[0] is scaled else follower.args[0]
         cast_dtype = arg(cast, 1, "dtype") if cast is not None else torch.float32
         exact = cast_dtype in (torch.float32, tensor_val(follower).dtype)
-        if exact and is_row_vector(tensor_val(other), value):
+        if exact and is_row_vector(tensor_val(other), tensor_val(core.input)):
             core.nodes += [node] + ([cast] if cast is not None else [])
             core.out, core.weight = follower, other
     return core
 
 
-CORES = (_layer_norm_core, _rms_norm_core, _handwritten_rms_core)
+CORES = (_layer_norm_core, _rms_norm_core)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch.fx import Graph, Node
 
 from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
+from seqcompile.custom_function import apply_one
 from seqcompile.fx_utils import (
     arg,
     insert_getitem,
@@ -38,6 +39,7 @@ _FOLDED_BIAS = "seqfast_folded_bias"
 """Node meta key on the add a linear's bias was moved into."""
 
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.clone.default)
+_FUNCTION = "custom autograd.Function"
 
 
 def region_of_function(fn, example_inputs) -> regions.Region:
@@ -131,8 +133,8 @@ class _Regions:
 
 
 def _worth_fusing(nodes: list[Node]) -> bool:
-    if any(n.target is aten.dropout.default for n in nodes):
-        return True
+    if any(n.target in (aten.dropout.default, apply_one) for n in nodes):
+        return True  # (a custom Function alone is many ops in eager)
     return sum(n.target not in _CASTS for n in nodes) >= 2
 
 
@@ -201,6 +203,12 @@ def fuse_regions(ctx: FuseContext) -> None:
             ctx.report.missed.append(
                 Missed(site_name(node), FAMILY, f"{reason}; the region is split here")
             )
+    for node in graph.find_nodes(op="call_function", target=apply_one):
+        refused = refusals.get(node)
+        why = refused.reason if refused is not None else "no region takes it"
+        ctx.report.missed.append(
+            Missed(site_name(node), _FUNCTION, f"runs as written with its own backward: {why}")
+        )
     graph.lint()
     ctx.gm.recompile()
 

@@ -2,7 +2,8 @@
 
 The ops are torch's own element-wise ops (the `torch.Tag.pointwise` tag of an overload), plus
 the casts, `where` and `masked_fill` overloads, operator spellings and dropout the tag leaves out.
-Whether the generated kernels compute one is decided by tracing it alone, forward and gradient, as
+Whether the generated kernels compute one is decided by tracing it alone, forward and gradient (a
+custom autograd.Function's gradient through its own backward), as
 a region is traced (`pointwise_region.trace`: torch's decompositions into core ATen applied), and
 printing the trace: an op whose trace holds an op without a Triton spelling (the special functions:
 lgamma, digamma, Bessel functions, ...) is refused with the printer's reason. The answer is cached
@@ -19,6 +20,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
+from seqcompile.custom_function import apply_one
 from seqcompile.fx_utils import arg, tensor_val
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.patterns.engine import Reject
@@ -30,11 +32,36 @@ UNTAGGED = frozenset(
         aten.to.dtype, aten._to_copy.default, aten.dropout.default, aten.rsub.Tensor,
         aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther,
         aten.masked_fill.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor,
+        apply_one,
     ]
 )  # fmt: skip
-"""Element-wise pre-dispatch ops without torch's pointwise tag that a region holds."""
-_REGISTERED_AS_IS = frozenset([aten.dropout.default])
-"""Ops a region's program rewrites before it is traced (dropout becomes a keep-mask)."""
+"""Element-wise pre-dispatch ops without torch's pointwise tag that a region holds (a custom
+autograd.Function with one output where its trace, forward and own backward, is element-wise)."""
+_COMPARISONS = [
+    getattr(getattr(aten, name), overload)
+    for name in ("eq", "ne", "lt", "le", "gt", "ge")
+    for overload in ("Tensor", "Scalar")
+]
+_SPELLED = frozenset(
+    [
+        aten.dropout.default, aten.to.dtype, aten._to_copy.default, aten.clone.default,
+        aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
+        aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
+        aten.neg.default, aten.reciprocal.default, aten.where.self, aten.where.ScalarOther,
+        aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+        aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
+        aten.logical_xor.default, aten.bitwise_not.default, aten.relu.default, aten.gelu.default,
+        aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.exp.default,
+        aten.log.default, aten.sqrt.default, aten.rsqrt.default, aten.erf.default,
+        aten.abs.default, aten.sin.default, aten.cos.default, aten.sign.default, aten.sgn.default,
+        aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.clamp.default, aten.clamp_min.default,
+        aten.clamp_max.default, aten.maximum.default, aten.minimum.default, aten.square.default,
+        aten.min.other, aten.max.other, aten.__and__.Tensor, aten.__or__.Tensor,
+        aten.__xor__.Tensor, *_COMPARISONS,
+    ]
+)  # fmt: skip
+"""Ops the printer spells, forward and gradient, at any arguments, without tracing them alone
+(dropout: a region's program makes it a keep-mask before it is traced)."""
 DTYPES = frozenset(
     [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int8,
      torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -47,6 +74,8 @@ def element_wise(target: Any) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
         return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False  # random (rrelu): the regions draw only dropout's numbers
     return not target._schema.is_mutable and target._overloadname not in ("out", "grad_input")
 
 
@@ -64,7 +93,7 @@ def refusal(node: Node) -> Reject | None:
                 return Reject("{} reads a non-tensor or another device's tensor", node.target)
         elif isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
             return Reject("{} has a symbolic scalar argument", node.target)
-        elif isinstance(a, list | tuple):
+        elif isinstance(a, list | tuple) and node.target is not apply_one:
             return Reject("{} has a list argument", node.target)
     if node.target is aten._to_copy.default and node.kwargs.get("device", out.device) != out.device:
         return Reject("a copy to another device")
@@ -111,7 +140,7 @@ def _signature(args: Any) -> Any:
 def _unspelled(target: Any, args: tuple, kwargs: tuple) -> str | None:
     """Why the kernels cannot compute `target` at this signature, forward or gradient (None:
     they can), found by tracing it alone and printing the trace."""
-    if target in _REGISTERED_AS_IS:
+    if target in _SPELLED:
         return None
     operands = [a for a in (*args, *(v for _, v in kwargs)) if isinstance(a, _Operand)]
 

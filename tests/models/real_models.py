@@ -210,13 +210,13 @@ CAUSAL_LM = [
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH,
          LOGITS_RETURNED),
     # word_embeddings_layernorm, two per layer, ln_f; ALiBi attention, eager only. In training
-    # its GELU is a custom autograd.Function whose backward is exact GELU's derivative, not that
-    # of its forward (the tanh approximation): it must run as written, one refusal per layer
+    # its GELU is a custom autograd.Function with a backward of its own: one region per layer,
+    # whose kernels compute that backward (traced through the Function)
     Case("bloom", hf_model("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=WIDTH,
                       n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0),
-         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 2, 1), 0, ("eager",),
-         (*LOGITS_RETURNED, *["runs as written with its own backward"] * LAYERS)),
+         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 2, 1), LAYERS, ("eager",),
+         LOGITS_RETURNED),
     # ln_1 and ln_2 per layer, ln_f. GPT2LMHeadModel's name matches no loss type, so its
     # `loss_function` logs a warning, where Dynamo breaks the graph: the loss compiles in a graph
     # of its own that takes the logits as an input, and no projection is there to refuse
@@ -224,6 +224,20 @@ CAUSAL_LM = [
                      n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
          causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, BOTH),
+    # CohereLayerNorm is LayerNorm written out (mean, centred squares, rsqrt, a weight, no bias):
+    # normalize reads it as layer_norm; input_layernorm per layer (parallel attention and MLP)
+    # and the final norm. The logits are scaled before the loss, which reads them whole
+    Case("cohere", hf_model("CohereForCausalLM", "CohereConfig", **GQA),
+         causal_lm_batch, own_loss, sites(LAYERS, LAYERS + 1, 1), LAYERS, BOTH,
+         ("the logits come from a linear through mul.Tensor",), slow=True),
+    # XGLM floors the masked scores at finfo.min (`torch.max(scores + mask, finfo.min)`) before
+    # its softmax; self_attn_layer_norm and final_layer_norm per layer, then layer_norm
+    Case("xglm", hf_model("XGLMForCausalLM", "XGLMConfig", vocab_size=VOCAB, d_model=WIDTH,
+                     ffn_dim=FFN, num_layers=LAYERS, attention_heads=HEADS,
+                     max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, pad_token_id=0),
+         causal_lm_batch, own_loss, sites(LAYERS, 2 * LAYERS + 1, 1), LAYERS, ("eager",),
+         LOGITS_RETURNED, slow=True),
     # beyond the list, in the slow tier. MPT: norm_1 and norm_2 per block, norm_f; its ALiBi
     # slopes are 2 ** x and its mask is Hugging Face's float mask tested back to bool
     Case("mpt", hf_model("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=WIDTH,

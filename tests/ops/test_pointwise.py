@@ -351,3 +351,16 @@ def test_wrong_arguments_are_clear_errors():
         pointwise([x], SEED, 0, "0123456789abcdef")
     with pytest.raises(ValueError, match="not pointwise: aten.sum"):
         region_of_function(lambda t: t.sum() * 2, [x])
+
+
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+def test_an_output_no_differentiated_input_reaches_takes_its_gradient_as_nothing(impl):
+    """The fused op's outputs all require grad when one input does; a gradient arriving for an
+    output computed from constants only (a weight gathered per row) adds nothing (tracing the
+    backward had failed: "element 0 of tensors does not require grad")."""
+    x, c = make(SHAPE), make(SHAPE, seed=1).detach()
+    region = region_of_function(lambda x, c: (x * (c * 2), c * 2), [x, c])
+    outs = pointwise([x, c], None, 0, region.key)
+    assert outs[1].requires_grad  # as the custom op gives it
+    (grad,) = torch.autograd.grad(outs, x, [torch.ones_like(o) for o in outs])
+    torch.testing.assert_close(grad, c * 2)

@@ -8,21 +8,24 @@ import warnings
 
 import pytest
 import torch
+from conftest import KERNELS_IN_SLOW_TIER
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.patterns.pointwise import region_of_function
 from seqcompile.patterns.pointwise_ops import element_wise
 from tests.ops.test_pointwise import check, run
 
 aten = torch.ops.aten
 UNSPELLED = {
-    "aten.digamma.default", "aten.lgamma.default", "aten.polygamma.default",
-    "aten.mvlgamma.default", "aten.i0.default", "aten.special_i0e.default",
-    "aten.special_i1.default", "aten.special_i1e.default", "aten.special_erfcx.default",
-    "aten.special_log_ndtr.default", "aten.special_ndtri.default", "aten.nextafter.default",
+    "aten.polygamma.default", "aten.mvlgamma.default", "aten.i0.default",
+    "aten.special_i0e.default", "aten.special_i1.default", "aten.special_i1e.default",
+    "aten.special_erfcx.default", "aten.special_log_ndtr.default", "aten.nextafter.default",
     "aten.frexp.Tensor",
 }  # fmt: skip
-"""Ops with a derivative whose forward or gradient has no Triton spelling (special functions)."""
+"""Ops with a derivative whose forward or gradient has no Triton spelling: Bessel functions,
+the scaled complementary error function, polygamma past order 1 (trigamma's gradient), a
+multivariate log-gamma's sum, frexp's integer exponent, nextafter's bits."""
 _CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
 _DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
 
@@ -125,6 +128,7 @@ def test_the_sweep_covers_the_element_wise_ops_people_write():
 
 @pytest.mark.parametrize("name", sorted(set(DIFFERENTIABLE) - UNSPELLED))
 @pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+@KERNELS_IN_SLOW_TIER
 def test_every_element_wise_op_alone(impl, name):
     fn, inputs = DIFFERENTIABLE[name]
     check(*run(fn, [t.detach().float().requires_grad_() for t in inputs]))
@@ -144,3 +148,22 @@ def _grads(fn, tensors):
     floating = [o for o in outs if o.is_floating_point()]
     grads = torch.autograd.grad(floating, tensors, [torch.ones_like(o) for o in floating])
     return [*outs, *grads]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t: (t % 3) * 2 + 1,
+        lambda t: (t % -3) * 2 + 1,
+        lambda t: torch.fmod(t, 3) * 2 + 1,
+        lambda t: torch.fmod(t, -3) * 2 + 1,
+    ],
+    ids=["remainder", "remainder-negative-divisor", "fmod", "fmod-negative-divisor"],
+)
+@pytest.mark.kernels("pointwise:forward")
+def test_integer_remainders_take_torchs_signs(impl, fn):
+    """The remainder takes the divisor's sign, fmod the dividend's (Triton's `%` truncates)."""
+    x = torch.arange(-7, 8).view(3, 5)
+    region = region_of_function(fn, [x])
+    (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    assert torch.equal(out, fn(x))

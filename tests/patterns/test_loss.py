@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checks import check_fusion, kept_for_backward
+from conftest import KERNELS_IN_SLOW_TIER
 from torch import nn
 
 from seqcompile.demo import GPT, GPTConfig, toy_batch
@@ -240,13 +241,50 @@ def test_int32_targets_of_a_written_out_smoothed_loss_fuse_as_gather_takes_them(
     check_fusion(loss, [logits, target.int()], counts={"loss": 2})
 
 
-def test_class_weights_are_refused_with_the_reason():
-    weights = torch.rand(VOCAB) + 0.5
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spelling", ["cross_entropy", "nll_loss"])
+@pytest.mark.kernels("cross_entropy:forward", "cross_entropy:backward")
+@KERNELS_IN_SLOW_TIER
+def test_class_weights_scale_each_row_and_the_mean_divides_by_their_sum(impl, reduction, spelling):
+    """Each row's loss times its target's weight; the mean over the weights of the counted
+    targets (ignored rows count none), as torch defines it."""
+    weights = torch.rand(VOCAB, generator=torch.Generator().manual_seed(3)) + 0.5
 
     def loss(x, t):
-        return F.cross_entropy(x, t, weight=weights)
+        if spelling == "nll_loss":
+            return F.nll_loss(F.log_softmax(x, -1), t, weight=weights, reduction=reduction)
+        return F.cross_entropy(x, t, weight=weights, ignore_index=1, reduction=reduction)
 
-    check_fusion(loss, logits_and_targets(), counts={"loss": 0}, missed=["class weights"])
+    check_fusion(loss, logits_and_targets(pad=1), counts={"loss": 1})
+
+
+def test_class_weights_with_smoothing_or_probability_targets_are_refused_with_the_reason():
+    weights = torch.rand(VOCAB) + 0.5
+
+    def loss(x, t, p):
+        smoothed = F.cross_entropy(x, t, weight=weights, label_smoothing=0.1)
+        return smoothed + F.cross_entropy(x, p, weight=weights)
+
+    x, t = logits_and_targets()
+    p = torch.softmax(torch.randn(x.shape), -1)
+    check_fusion(
+        loss, [x, t, p], counts={"loss": 0},
+        missed=["class weights with label smoothing", "class weights with probability targets"],
+    )  # fmt: skip
+
+
+def test_a_linear_before_a_weighted_loss_stays_apart_and_says_why():
+    head = torch.nn.Linear(WIDTH, VOCAB)
+    weights = torch.rand(VOCAB) + 0.5
+
+    def loss(hidden, t):
+        return F.cross_entropy(head(hidden), t, weight=weights)
+
+    hidden = torch.randn(ROWS, WIDTH, requires_grad=True)
+    check_fusion(
+        loss, [hidden, logits_and_targets()[1]], counts={"loss": 1},
+        missed=["with class weights the logits are built"],
+    )  # fmt: skip
 
 
 TARGET_VIEWS = {
@@ -734,7 +772,10 @@ class Distilled(nn.Module):
 @pytest.mark.kernels("soft_cross_entropy:forward", "soft_cross_entropy:backward")
 def test_a_distillation_loss_fuses_and_trains_both_models(impl):
     torch.manual_seed(0)
-    check_fusion(Distilled(), [torch.randn(ROWS, WIDTH)], counts={"loss": 1})
+    check_fusion(
+        Distilled(), [torch.randn(ROWS, WIDTH)], counts={"loss": 1},
+        missed=["the logits come from a linear through mul.Tensor"],
+    )  # fmt: skip
 
 
 def test_probability_targets_the_fused_loss_cannot_take_are_reported():

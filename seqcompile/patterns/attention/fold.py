@@ -19,11 +19,12 @@ from seqcompile.patterns.attention.index_masks import (
     narrower,
     split_diagonal,
 )
-from seqcompile.patterns.attention.links import CAUSAL_FILL, same_batch
+from seqcompile.patterns.attention.links import ABSORBING_FILL, CAUSAL_FILL, same_batch
 from seqcompile.patterns.attention.readings import (
     BatchReshape,
     Bias,
     Factor,
+    Floor,
     Mask,
     Modification,
     Reading,
@@ -68,6 +69,8 @@ class _Fold:
     values: set[float] = dataclasses.field(default_factory=set)
     causal_fills: set[float] = dataclasses.field(default_factory=set)
     bias_seen: bool = False
+    floor: float = -math.inf
+    """The value a floor after the masks (`max(scores, finfo.min)`) raises their -inf to."""
 
     def take(self, link: Reading) -> Reject | None:
         site = self.site
@@ -89,6 +92,8 @@ class _Fold:
                 self.frame = scores
             case Scale(factor=factor):
                 self.factor_after *= factor
+            case Floor(value=value):
+                self.floor = max(self.floor, value * self.factor_after)
             case Bias(node=node, sign=sign):
                 if not same_batch(self.frame, self.softmax):
                     site.frames[node] = self.frame
@@ -102,7 +107,8 @@ class _Fold:
         if self.factor_after < 0:
             return Reject("a negative scale after a mask turns masked scores into maxima")
         value = mask.fill * self.factor_after if math.isfinite(mask.fill) else mask.fill
-        if math.isfinite(value) and self.bias_seen:
+        value = max(value, self.floor)
+        if math.isfinite(value) and value > ABSORBING_FILL and self.bias_seen:
             return Reject(
                 "a bias is added after a mask filled with {}; the kernel fills last", value
             )

@@ -28,6 +28,7 @@ from seqcompile.patterns.attention.readings import (
     BatchReshape,
     Bias,
     Cast,
+    Floor,
     Mask,
     Modification,
     Product,
@@ -60,6 +61,24 @@ _SAME_VALUES = (
     aten.clone.default,
 )
 _FILL_ARGUMENT = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+
+
+_FLOORS = (aten.max.other, aten.maximum.default, aten.clamp_min.default, aten.clamp.default)
+
+
+def _floor(node: Node) -> tuple[Node, float] | None:
+    """(scores, c) where `node` is `max(scores, c)` (or `clamp(scores, min=c)`) with a constant
+    c at most the lowest finite value of the scores' dtype."""
+    if not is_call(node, *_FLOORS) or not is_float(node):
+        return None
+    if is_call(node, aten.clamp.default) and arg(node, 2, "max") is not None:
+        return None
+    lowest = torch.finfo(tensor_val(node).dtype).min
+    for scores, c in (node.args[:2], node.args[1::-1]):
+        value = constant(c)
+        if isinstance(scores, Node) and constant(scores) is None and value is not None:
+            return (scores, value) if value <= lowest else None
+    return None
 
 
 def scale_factor(node: Node) -> tuple[Node, float] | None:
@@ -114,6 +133,9 @@ def link(node: Node) -> tuple[Reading, list[Node]] | Reject | None:
         return _sum_link(node)
     if is_call(node, *_MASKED_FILL, *_WHERE_ON_SCORES):
         return _fill_link(node)
+    floor = _floor(node)
+    if floor is not None:
+        return Floor(floor[1]), [floor[0]]
     scores = modified_operand(node)
     if scores is not None:
         return Modification(node), [scores]

@@ -202,6 +202,13 @@ def _factor_side(shape: torch.Size, scores: torch.Size) -> str | None:
     return None
 
 
+_COPIES = (aten.clone.default, aten.contiguous.default, aten.alias.default)
+"""Ops that pass the probabilities on unchanged (a copy the fused op need not make)."""
+SOFTMAXES = (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
+"""The softmax spellings: `_safe_softmax` (torch's masked softmax) gives zeros for a row whose
+every score is -inf, as the kernels do."""
+
+
 def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
     """From the softmax down to `probs @ v`: (that matmul, dropout p, nodes passed)."""
     node, p, nodes = softmax, 0.0, [softmax]
@@ -215,7 +222,7 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
         user = users[0]
         if is_call(user, aten.matmul.default) and user.args[0] is node:
             return user, p, nodes
-        if is_call(user, *CASTS) or batch_reshape(user):
+        if is_call(user, *CASTS, *_COPIES) or batch_reshape(user):
             pass
         elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
             p = float(arg(user, 1, "p"))
@@ -255,7 +262,7 @@ def _is_last_two_swap(node: Node) -> bool:
 
 
 def _read_written_out(softmax: Node) -> Site | Reject | None:
-    if not is_call(softmax, aten.softmax.int, aten._softmax.default):
+    if not is_call(softmax, *SOFTMAXES):
         return None
     below = _walk_probabilities(softmax)
     if below is None or isinstance(below, Reject):

@@ -91,6 +91,16 @@ class Mask(Reading):
 
 
 @dataclasses.dataclass(frozen=True)
+class Floor(Reading):
+    """`max(scores, c)` with c at most the lowest finite value of the scores' dtype (XGLM's
+    `torch.max(scores, finfo.min)`): it changes nothing but the -inf the masks below fill, which
+    then fill c."""
+
+    value: float
+    described: ClassVar[str] = "a floor at the lowest finite value"
+
+
+@dataclasses.dataclass(frozen=True)
 class Zeros(Reading):
     """A term of zeros added to the scores, which adds nothing."""
 

@@ -74,7 +74,10 @@ def register_chain(
 
 def _replayed(args: object, values: dict[Node, Tensor]) -> object:
     if isinstance(args, Node):
-        return values[args] if args in values else constant(args)
+        if args in values:
+            return values[args]
+        fake = tensor_val(args)  # a 0-d tensor constant stays a tensor (`torch.max` takes one)
+        return constant(args) if fake is None else torch.full((), constant(args), dtype=fake.dtype)
     if isinstance(args, list | tuple):
         return type(args)(_replayed(a, values) for a in args)
     if isinstance(args, dict):
