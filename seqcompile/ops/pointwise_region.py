@@ -197,7 +197,9 @@ def register(
     inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
     forward = trace(module, inputs)
     text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
-    calls = [n for n in graph.nodes if n.target is apply_one]  # (their keys are in the code)
+    # a Function's forward traces inline: its key (its own backward) must tell the regions apart
+    calls = [n for n in graph.nodes if n.target is apply_one]
+    text += "".join(f"|{n.args[0]}" for n in calls)
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if name is not None:
         key = f"{name}_{key}"

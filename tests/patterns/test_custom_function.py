@@ -100,3 +100,11 @@ def test_a_function_the_kernels_cannot_take_runs_as_written(function, why):
     report = check_fusion(fn, [rand(4, 8)], counts={}, missed=["runs as written with its own"])
     (missed,) = report.missed
     assert why in missed.reason, missed
+
+
+def test_a_function_and_the_plain_ops_of_its_forward_are_different_regions():
+    """StraightThrough's forward traces to the clamp a plain region computes; the two regions'
+    backwards differ, so they must not share a key (the first registered had served both)."""
+    x = rand(4, 8)
+    check_fusion(lambda x: StraightThrough.apply(x * 2) * 3, [x], counts={"pointwise": 1})
+    check_fusion(lambda x: (x * 2).clamp(-1.0, 1.0) * 3, [x], counts={"pointwise": 1})
