@@ -100,6 +100,7 @@ def test_kernels_under_the_interpreter_stay_opaque_to_inductor(interpret, monkey
     assert "seqfast.attention.default" in forward_calls, forward_calls
 
 
+@pytest.mark.slow  # an Inductor compile with its backward
 def test_attention_shaped_math_seqfast_leaves_is_not_rewritten_by_inductor_into_sdpa():
     """A softmax over the queries (dim -2) between two batched matmuls is no attention, and seqfast
     leaves it to the executor; Inductor's joint-graph pattern matcher rewrote it into SDPA, a

@@ -41,6 +41,7 @@ def test_explain_reports_the_copies_of_its_run(interpret):
     assert "cross_entropy: logits (4, 7) strides (1, 4): 1x" in str(report)
 
 
+@pytest.mark.slow  # an Inductor compile with its backward
 def test_explain_with_inductor_traces_lowerings_without_counting_copies(monkeypatch):
     """With rest="inductor" on CPU each fused call is traced at fake values into its lowering;
     a copy there has no storage to compare (explain crashed reading its pointer) and counts as

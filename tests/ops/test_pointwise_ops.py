@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from conftest import KERNELS_IN_SLOW_TIER
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
 from seqcompile.ops import pointwise_region as regions
@@ -126,9 +125,15 @@ def test_the_sweep_covers_the_element_wise_ops_people_write():
     assert UNSPELLED <= set(DIFFERENTIABLE)
 
 
-@pytest.mark.parametrize("name", sorted(set(DIFFERENTIABLE) - UNSPELLED))
+SPELLED = [
+    pytest.param(name, marks=() if k % 5 == 0 else pytest.mark.slow)
+    for k, name in enumerate(sorted(set(DIFFERENTIABLE) - UNSPELLED))
+]
+"""Every op the kernels spell; a fifth of them in the default run."""
+
+
+@pytest.mark.parametrize("name", SPELLED)
 @pytest.mark.kernels("pointwise:forward", "pointwise:backward")
-@KERNELS_IN_SLOW_TIER
 def test_every_element_wise_op_alone(impl, name):
     fn, inputs = DIFFERENTIABLE[name]
     check(*run(fn, [t.detach().float().requires_grad_() for t in inputs]))

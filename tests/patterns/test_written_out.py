@@ -76,6 +76,7 @@ def softmax_guarded(s):
     "softmax", [softmax_amax, softmax_max_detached, softmax_guarded], ids=lambda f: f.__name__
 )
 @pytest.mark.kernels(*ATTENTION_KERNELS)
+@KERNELS_IN_SLOW_TIER
 def test_a_softmax_written_out_is_attention(impl, softmax):
     keep = keep_mask()
 
