@@ -32,14 +32,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_evaluate import Unevaluated, evaluate_from, traced_sizes
+from seqcompile.fx_evaluate import Sizes, Unevaluated, evaluate_from, size_at, traced_sizes
 from seqcompile.fx_utils import (
     arg,
     barrier_between,
     is_call,
     node_order,
     only_user,
+    same_shape,
     tensor_val,
 )
 
@@ -252,10 +254,13 @@ def _vector_operand(node: Node) -> tuple[Any, Node | None]:
     the last dims of the other; (None, None) where neither is."""
     out = tensor_val(node)
     for a, b in (node.args[:2], node.args[1::-1]):
-        if _rank(a) is not None and _rank(b) is not None and tensor_val(a).shape == out.shape:
+        if _rank(a) is not None and _rank(b) is not None and same_shape(tensor_val(a), out):
             value = tensor_val(b)
             if value is not None and value.is_floating_point() and 0 < value.dim() < out.dim():
-                if list(value.shape) == list(out.shape[out.dim() - value.dim() :]):
+                if all(
+                    statically_known_true(v == o)
+                    for v, o in zip(value.shape, out.shape[out.dim() - value.dim() :], strict=True)
+                ):
                     return a, b
     return None, None
 
@@ -303,7 +308,9 @@ def _norm(node: Node) -> Candidate | str | None:
         name = "layer_norm" if layer else "rms_norm"
         return f"{name} written out normalizes over dims {dims}; the norms take the last ones"
     shape = list(tensor_val(x).shape[rank - len(dims) :])
-    if weight is not None and list(tensor_val(weight).shape) != shape:
+    if weight is not None and not all(
+        statically_known_true(w == d) for w, d in zip(tensor_val(weight).shape, shape, strict=False)
+    ):
         return None
     eps = float(eps)
     operands = tuple(n for n in (x, weight, bias) if n is not None)
@@ -312,28 +319,40 @@ def _norm(node: Node) -> Candidate | str | None:
     if layer:
         return Candidate(
             "layer_norm", node, operands, reduced,
-            lambda t, *wb: F.layer_norm(t, shape, *wb, eps=eps),
-            lambda ctx: ctx.call(aten.layer_norm.default, x, shape, weight, bias, eps),
+            lambda t, *wb: F.layer_norm(t, t.shape[reduced[0] :], *wb, eps=eps),
+            lambda ctx: ctx.call(
+                aten.layer_norm.default, x, _sizes(ctx, x, reduced), weight, bias, eps
+            ),
             f"layer_norm({parts_text}, eps={eps:g})",
         )  # fmt: skip
     return Candidate(
         "rms_norm", node, operands, reduced,
-        lambda t, *w: F.rms_norm(t, shape, *w, eps=eps),
-        lambda ctx: ctx.call(aten.rms_norm.default, x, shape, weight, eps),
+        lambda t, *w: F.rms_norm(t, t.shape[reduced[0] :], *w, eps=eps),
+        lambda ctx: ctx.call(aten.rms_norm.default, x, _sizes(ctx, x, reduced), weight, eps),
         f"rms_norm({parts_text}, eps={eps:g})",
     )  # fmt: skip
+
+
+def _sizes(ctx: RuleContext, x: Node, dims: tuple[int, ...]) -> list:
+    """The sizes of `x` along `dims`: numbers where static, `sym_size` nodes where symbolic."""
+    shape = tensor_val(x).shape
+    return [
+        shape[d] if isinstance(shape[d], int) else ctx.call(aten.sym_size.int, x, d) for d in dims
+    ]
 
 
 READERS = (_softmax, _log_softmax, _logsumexp, _norm)
 
 
-def _inputs(candidate: Candidate, scale: float, shift: float, rows: bool, seed: int) -> list:
+def _inputs(
+    candidate: Candidate, scale: float, shift: float, rows: bool, seed: int, sizes: Sizes
+) -> list:
     """Random float64 operands: x at `scale` and `shift` (its non-reduced dims cut to 3 with
     `rows`), weights and biases near 1 and 0."""
     g = torch.Generator().manual_seed(seed)
     values = []
     for k, node in enumerate(candidate.operands):
-        shape = [int(s) for s in tensor_val(node).shape]
+        shape = [size_at(s, sizes) for s in tensor_val(node).shape]
         if rows and k == 0:
             shape = [s if d in candidate.reduced else min(s, 3) for d, s in enumerate(shape)]
         t = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -348,7 +367,7 @@ def refutation(candidate: Candidate) -> str | None:
         return f"its input has dtype {x.dtype}"
     sizes = traced_sizes([candidate.out])
     try:
-        elements = math.prod(int(s) for s in x.shape)
+        elements = math.prod(size_at(s, sizes) for s in x.shape)
     except (TypeError, ValueError):
         return "its input's shape is not known"
     rows = elements > _FULL_SHAPE_ELEMENTS
@@ -356,7 +375,7 @@ def refutation(candidate: Candidate) -> str | None:
     # both sides run in float64 (the code's own casts apply): the two differ by what they
     # compute, not by how each rounds
     for seed, (scale, shift) in enumerate(_SCALES):
-        values = _inputs(candidate, scale, shift, rows, seed)
+        values = _inputs(candidate, scale, shift, rows, seed, sizes)
         given = dict(zip(candidate.operands, values, strict=True))
         got = evaluate_from(candidate.out, given, sizes)
         if isinstance(got, Unevaluated):

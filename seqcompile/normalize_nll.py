@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, only_user, tensor_val
+from seqcompile.fx_utils import arg, is_call, only_user, same_shape, tensor_val
 
 if TYPE_CHECKING:
     from seqcompile.normalize import RuleContext
@@ -156,7 +156,7 @@ def _soft(node: Node, sign: float) -> Rows | None:
             p, sign = p.args[0], -sign
         value = tensor_val(p) if isinstance(p, Node) else None
         if x is not None and value is not None and value.is_floating_point():
-            if value.shape == tensor_val(lp).shape:
+            if same_shape(value, tensor_val(lp)):
                 return Rows(x, p, -sign, reads=frozenset([product]), log_probs=lp)
     return None
 
@@ -167,7 +167,7 @@ def _log_sum_exp_minus_picked(node: Node, sign: float) -> Rows | None:
     if found is None or not is_call(lse, aten.logsumexp.default) or lse.args[0] is not found[0]:
         return None
     rank = _rank(found[0])
-    if tensor_val(lse).shape != tensor_val(picked).shape or not _last_dim(lse.args[1], rank):
+    if not same_shape(tensor_val(lse), tensor_val(picked)) or not _last_dim(lse.args[1], rank):
         return None
     return Rows(found[0], found[1], sign)
 
@@ -206,7 +206,8 @@ def rows_written_out(node: Node, ctx: RuleContext) -> Node | None:
     if rows is None or _loss_rows(only_user(node)) is not None:
         return None
     x, target = rows.logits, rows.target
-    classes = tensor_val(x).shape[-1]
+    rank = _rank(x)
+    classes = _size(ctx, x, rank - 1)
     logits = ctx.call(aten.reshape.default, x, [-1, classes])
     soft = tensor_val(target).is_floating_point()
     target = ctx.call(aten.reshape.default, target, [-1, classes] if soft else [-1])
@@ -222,7 +223,14 @@ def rows_written_out(node: Node, ctx: RuleContext) -> Node | None:
         what += f", times {rows.scale:g}"
         loss = ctx.call(aten.mul.Tensor, loss, rows.scale)
     ctx.note("rewritten", "cross_entropy", node, f"read as {what}")
-    return ctx.call(aten.reshape.default, loss, list(tensor_val(node).shape))
+    rows = [_size(ctx, x, d) for d in range(rank - 1)]
+    return ctx.call(aten.reshape.default, loss, rows + [1] * (_rank(node) - len(rows)))
+
+
+def _size(ctx: RuleContext, x: Node, dim: int) -> Any:
+    """`x`'s size along `dim`: a number where static, a `sym_size` node where symbolic."""
+    size = tensor_val(x).shape[dim]
+    return size if isinstance(size, int) else ctx.call(aten.sym_size.int, x, dim)
 
 
 def negation_inside(node: Node, ctx: RuleContext) -> Node | None:

@@ -93,6 +93,7 @@ def test_by_default_inductor_gets_the_rest_unless_it_finds_no_compiler(monkeypat
     assert "Inductor finds no C++ compiler (no C++ compiler found)" in caplog.text
 
 
+@pytest.mark.slow  # Inductor compiles a whole GPT around interpreted kernels (half a minute)
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "pointwise")
 def test_kernels_under_the_interpreter_stay_opaque_to_inductor(interpret, monkeypatch):
     _, _, given = _step(monkeypatch, "inductor")

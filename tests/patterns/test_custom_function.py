@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checks import check_fusion
+from conftest import KERNELS_IN_SLOW_TIER
 
 
 class StraightThrough(torch.autograd.Function):
@@ -64,6 +65,7 @@ def rand(*shape, seed=0):
 
 @pytest.mark.parametrize("function", [StraightThrough, BloomGelu], ids=lambda f: f.__name__)
 @pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+@KERNELS_IN_SLOW_TIER
 def test_an_element_wise_function_joins_a_region_with_its_own_backward(impl, function):
     def fn(x, b):
         return function.apply(x + b) * 2

@@ -419,3 +419,29 @@ def test_weights_that_are_no_label_smoothing_stay_as_written():
 
     report = check_fusion(fn, [rand(6, V), targets((6,))], counts={"loss": 0})
     assert not read_as(report, "cross_entropy")
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["length", "every-size"])
+def test_a_norm_written_out_in_a_dynamic_graph_is_read_without_fixing_its_sizes(dynamic):
+    """Evaluated at the sizes' hints, not by reading them (which would guard on them): a second
+    length runs the same graph. Where every size is symbolic the width is passed to the norm as
+    the graph's size, and the norm family, which takes no symbolic width, refuses it."""
+    w, b = rand(WIDTH, seed=3), rand(WIDTH, seed=4)
+    compiled = torch.compile(lambda x: layer_norm_var(x, w, b), backend="seqfast", dynamic=dynamic)
+    with collecting() as report:
+        for length in (5, 9):
+            x = rand(2, length, WIDTH, seed=length)
+            if dynamic is None:
+                torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(compiled(x), layer_norm_var(x, w, b))
+    assert len(report.graphs) == 1 and len(read_as(report, "layer_norm")) == 1, report
+    assert report.counts["norm"] == (dynamic is None), report
+
+
+def test_a_cross_entropy_written_out_in_a_dynamic_graph():
+    compiled = torch.compile(ce_masked_mean, backend="seqfast", dynamic=True)
+    with collecting() as report:
+        for rows in (5, 9):
+            x, t = rand(2, rows, V, seed=rows), targets((2, rows), seed=rows)
+            torch.testing.assert_close(compiled(x, t), ce_masked_mean(x, t))
+    assert len(report.graphs) == 1 and report.counts["loss"] == 1, report
