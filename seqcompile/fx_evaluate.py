@@ -72,10 +72,16 @@ def size_at(size: Any, sizes: Sizes) -> int | float | bool:
 class Evaluator:
     """Evaluates nodes of one graph, remembering each value per assignment of sizes. With a
     `generator`, tensor inputs of the graph read random values drawn from it (the same values for
-    an input every time it is read); without, a value computed from an input is `Unevaluated`."""
+    an input every time it is read); without, a value computed from an input is `Unevaluated`.
+    `given` values are read for their nodes instead of computing them, at any shape the ops take
+    (a few rows of the traced ones): the size limit, which judges a value by its traced shape, is
+    then the caller's to keep."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, given: Mapping[Node, Any] | None = None
+    ) -> None:
         self.generator = generator
+        self.given = dict(given or {})
         self._values: dict[tuple[Node, tuple], Any] = {}
         self._inputs: dict[tuple[Node, tuple], torch.Tensor] = {}
 
@@ -89,7 +95,8 @@ class Evaluator:
                 stack.pop()
                 continue
             pending = [n for n in current.all_input_nodes if (n, key) not in self._values]
-            if pending and not _is_size(val(current)) and current.op == "call_function":
+            computed = current.op == "call_function" and current not in self.given
+            if pending and not _is_size(val(current)) and computed:
                 stack.extend(pending)
                 continue
             stack.pop()
@@ -97,6 +104,8 @@ class Evaluator:
         return self._values[node, key]
 
     def _compute(self, node: Node, sizes: Sizes, key: tuple) -> Any:
+        if node in self.given:
+            return self.given[node]
         fake = val(node)
         if _is_size(fake):
             try:
@@ -112,7 +121,7 @@ class Evaluator:
             return self._input(node, fake, sizes, key)
         if node.op != "call_function":
             return Unevaluated(f"{node.name} is a {node.op}")
-        refused = _refusal(node, fake, sizes)
+        refused = _refusal(node, fake, sizes, bounded=not self.given)
         if refused is not None:
             return refused
         missing = [
@@ -154,13 +163,13 @@ def random_tensor(shape: list[int], dtype: torch.dtype, generator: torch.Generat
     return torch.randint(0, 4, shape, generator=generator).to(dtype)
 
 
-def _refusal(node: Node, fake: Any, sizes: Sizes) -> Unevaluated | None:
+def _refusal(node: Node, fake: Any, sizes: Sizes, bounded: bool) -> Unevaluated | None:
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags:
         return Unevaluated(f"{node.name} is random")
     if writes_in_place(node):
         return Unevaluated(f"{node.name} writes in place")
-    for value in _tensors(fake):
+    for value in _tensors(fake) if bounded else ():
         try:
             elements = math.prod(size_at(s, sizes) for s in value.shape)
         except (TypeError, ValueError):
@@ -203,44 +212,3 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return value.cpu()
     return value
-
-
-def evaluate_from(node: Node, given: Mapping[Node, torch.Tensor], sizes: Sizes) -> Any:
-    """`node`'s value computed from `given` values of some nodes it depends on (at any shape the
-    ops take: a row-wise computation on a few rows), the size arguments at `sizes`; `Unevaluated`
-    where it reads another input, draws random numbers or writes in place."""
-    values: dict[Node, Any] = dict(given)
-    stack = [node]
-    while stack:
-        current = stack[-1]
-        if current in values:
-            stack.pop()
-            continue
-        fake = val(current)
-        pending = [n for n in current.all_input_nodes if n not in values]
-        if pending and current.op == "call_function" and not _is_size(fake):
-            stack.extend(pending)
-            continue
-        stack.pop()
-        if _is_size(fake):
-            values[current] = size_at(fake, sizes)
-        elif current.op == "get_attr":
-            values[current] = _on_cpu(getattr(current.graph.owning_module, current.target, None))
-        elif current.op != "call_function":
-            return Unevaluated(f"it reads {current.name}, which is not given")
-        elif torch.Tag.nondeterministic_seeded in getattr(current.target, "tags", ()):
-            return Unevaluated(f"{current.name} is random")
-        elif writes_in_place(current):
-            return Unevaluated(f"{current.name} writes in place")
-        else:
-            args, kwargs = tree_map(
-                lambda a: values[a] if isinstance(a, Node) else _on_cpu(a),
-                (current.args, current.kwargs),
-            )
-            try:
-                values[current] = current.target(*args, **kwargs)
-            except _EVALUATION_ERRORS as error:
-                return Unevaluated(f"{current.name} ({current.target}) failed: {error}")
-        if isinstance(values[current], Unevaluated):
-            return values[current]
-    return values[node]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_evaluate import Sizes, Unevaluated, evaluate_from, size_at, traced_sizes
+from seqcompile.fx_evaluate import Evaluator, Sizes, Unevaluated, size_at, traced_sizes
 from seqcompile.fx_utils import (
     arg,
     barrier_between,
@@ -377,7 +377,7 @@ def refutation(candidate: Candidate) -> str | None:
     for seed, (scale, shift) in enumerate(_SCALES):
         values = _inputs(candidate, scale, shift, rows, seed, sizes)
         given = dict(zip(candidate.operands, values, strict=True))
-        got = evaluate_from(candidate.out, given, sizes)
+        got = Evaluator(given=given).value(candidate.out, sizes)
         if isinstance(got, Unevaluated):
             return f"its code could not be evaluated: {got.reason}"
         want = candidate.compute(*values)

@@ -60,3 +60,36 @@ def test_values_too_large_or_random_are_not_evaluated(monkeypatch):
     out = output_nodes(gm)
     refused = Evaluator(torch.Generator()).value(out, {})
     assert isinstance(refused, Unevaluated) and "random" in refused.reason
+
+
+def test_given_values_stand_for_their_nodes_at_any_shape(monkeypatch):
+    """A given node is read at the given shape (a few rows of the traced one), and what it is
+    computed from is never evaluated."""
+
+    def rows(x):
+        h = x * 2
+        return h - h.amax(-1, keepdim=True)
+
+    gm = trace(rows, torch.randn(3, 5))
+    h = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    computed = []
+    compute = Evaluator._compute
+    monkeypatch.setattr(
+        Evaluator,
+        "_compute",
+        lambda self, node, *a: computed.append(node) or compute(self, node, *a),
+    )
+    given = torch.randn(2, 5)
+    value = Evaluator(given={h: given}).value(output_nodes(gm), {})
+    torch.testing.assert_close(value, given - given.amax(-1, keepdim=True))
+    assert not any(n.op == "placeholder" for n in computed), computed
+
+
+def test_given_rows_of_a_value_past_the_size_limit_are_evaluated():
+    """The limit judges a value by its traced shape; given a few rows, the caller keeps it."""
+    gm = trace(lambda x: x - x.amax(-1, keepdim=True), torch.empty(4097, 4096, device="meta"))
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert isinstance(Evaluator(torch.Generator()).value(output_nodes(gm), {}), Unevaluated)
+    rows = torch.randn(3, 4096)
+    value = Evaluator(given={x: rows}).value(output_nodes(gm), {})
+    torch.testing.assert_close(value, rows - rows.amax(-1, keepdim=True))
