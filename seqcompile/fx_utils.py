@@ -57,6 +57,12 @@ def tensor_val(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def rank_of(node: Any) -> int | None:
+    """The number of dims of the tensor `node` computes (None for anything else)."""
+    value = tensor_val(node) if isinstance(node, Node) else None
+    return None if value is None else value.dim()
+
+
 def describe(value: Any) -> str:
     """A value as a report shows it: `float32[3, 64]` for a tensor (or a node of one), else its
     repr."""

@@ -57,6 +57,12 @@ class RuleContext:
             node.meta.update(source_meta(self.site))
         return node
 
+    def size(self, x: Node, dim: int) -> Any:
+        """`x`'s size along `dim` as an argument of a new op: the number where static, a
+        `sym_size` node where symbolic (a raw SymInt is no argument a graph takes)."""
+        size = tensor_val(x).shape[dim]
+        return size if isinstance(size, int) else self.call(aten.sym_size.int, x, dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:

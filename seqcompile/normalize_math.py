@@ -41,6 +41,7 @@ from seqcompile.fx_utils import (
     is_call,
     node_order,
     only_user,
+    rank_of,
     same_shape,
     tensor_val,
 )
@@ -91,11 +92,6 @@ def _from_only(value: Any, x: Node, depth: int = _MAX_DEPTH) -> bool:
     return bool(inputs) and all(_from_only(i, x, depth - 1) for i in inputs)
 
 
-def _rank(node: Any) -> int | None:
-    value = tensor_val(node) if isinstance(node, Node) else None
-    return None if value is None else value.dim()
-
-
 def _one_dim(node: Node, rank: int | None) -> int | None:
     dims = arg(node, 1, "dim")
     if rank is None or rank == 0:
@@ -125,7 +121,7 @@ def _exp_sum(s: Any, keepdim: bool | None = True) -> tuple[Node, int] | None:
         return None
     if keepdim is not None and bool(arg(s, 2, "keepdim", False)) != keepdim:
         return None
-    dim = _one_dim(s, _rank(e))
+    dim = _one_dim(s, rank_of(e))
     return None if dim is None else (e.args[0], dim)
 
 
@@ -155,7 +151,7 @@ def _log_softmax(node: Node) -> Candidate | None:
             return None
         dim = found[1]
     elif is_call(lse, aten.logsumexp.default) and lse.args[0] is y and arg(lse, 2, "keepdim"):
-        dim = _one_dim(lse, _rank(y))
+        dim = _one_dim(lse, rank_of(y))
         if dim is None:
             return None
     else:
@@ -254,7 +250,7 @@ def _vector_operand(node: Node) -> tuple[Any, Node | None]:
     the last dims of the other; (None, None) where neither is."""
     out = tensor_val(node)
     for a, b in (node.args[:2], node.args[1::-1]):
-        if _rank(a) is not None and _rank(b) is not None and same_shape(tensor_val(a), out):
+        if rank_of(a) is not None and rank_of(b) is not None and same_shape(tensor_val(a), out):
             value = tensor_val(b)
             if value is not None and value.is_floating_point() and 0 < value.dim() < out.dim():
                 if all(
@@ -294,12 +290,12 @@ def _norm(node: Node) -> Candidate | str | None:
         v, eps = eps, v
     if not isinstance(eps, int | float) or isinstance(eps, bool) or not isinstance(v, Node):
         return None
-    rank = _rank(h)
+    rank = rank_of(h)
     if rank is None:
         return None
     layer = is_call(h, aten.sub.Tensor) and is_call(h.args[1], aten.mean.dim)
     x = h.args[0] if layer else h
-    if _rank(x) != rank or layer and h.args[1].args[0] is not x or not layer and bias is not None:
+    if rank_of(x) != rank or layer and h.args[1].args[0] is not x or not layer and bias is not None:
         return None
     dims = _reduced_dims(h.args[1] if layer else v, rank)
     if dims is None or not _from_only(v, x):
@@ -321,24 +317,18 @@ def _norm(node: Node) -> Candidate | str | None:
             "layer_norm", node, operands, reduced,
             lambda t, *wb: F.layer_norm(t, t.shape[reduced[0] :], *wb, eps=eps),
             lambda ctx: ctx.call(
-                aten.layer_norm.default, x, _sizes(ctx, x, reduced), weight, bias, eps
+                aten.layer_norm.default, x, [ctx.size(x, d) for d in reduced], weight, bias, eps
             ),
             f"layer_norm({parts_text}, eps={eps:g})",
         )  # fmt: skip
     return Candidate(
         "rms_norm", node, operands, reduced,
         lambda t, *w: F.rms_norm(t, t.shape[reduced[0] :], *w, eps=eps),
-        lambda ctx: ctx.call(aten.rms_norm.default, x, _sizes(ctx, x, reduced), weight, eps),
+        lambda ctx: ctx.call(
+            aten.rms_norm.default, x, [ctx.size(x, d) for d in reduced], weight, eps
+        ),
         f"rms_norm({parts_text}, eps={eps:g})",
     )  # fmt: skip
-
-
-def _sizes(ctx: RuleContext, x: Node, dims: tuple[int, ...]) -> list:
-    """The sizes of `x` along `dims`: numbers where static, `sym_size` nodes where symbolic."""
-    shape = tensor_val(x).shape
-    return [
-        shape[d] if isinstance(shape[d], int) else ctx.call(aten.sym_size.int, x, d) for d in dims
-    ]
 
 
 READERS = (_softmax, _log_softmax, _logsumexp, _norm)

@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, only_user, same_shape, tensor_val
+from seqcompile.fx_utils import arg, is_call, only_user, rank_of, same_shape, tensor_val
 
 if TYPE_CHECKING:
     from seqcompile.normalize import RuleContext
@@ -52,14 +52,6 @@ class Rows:
     """The nodes that read the log-probabilities (where the rows read them)."""
     log_probs: Node | None = None
 
-    def scaled(self, factor: float) -> Rows:
-        return dataclasses.replace(self, scale=self.scale * factor)
-
-
-def _rank(node: Any) -> int | None:
-    value = tensor_val(node) if isinstance(node, Node) else None
-    return None if value is None else value.dim()
-
 
 def _last_dim(dims: Any, rank: int) -> bool:
     dims = [dims] if isinstance(dims, int) else dims
@@ -70,15 +62,15 @@ def _log_probs(node: Any) -> Node | None:
     """x where `node` is `log_softmax(x)` over the last dim."""
     if not is_call(node, aten.log_softmax.int) or arg(node, 2, "dtype") is not None:
         return None
-    rank = _rank(node)
+    rank = rank_of(node)
     return node.args[0] if rank and _last_dim(node.args[1], rank) else None
 
 
 def _squeezes_last(node: Any) -> bool:
     """`node` drops the trailing 1 of its input (`squeeze(-1)`, `[..., 0]`)."""
-    if not is_call(node, *_SQUEEZES, aten.select.int) or not _rank(node.args[0]):
+    if not is_call(node, *_SQUEEZES, aten.select.int) or not rank_of(node.args[0]):
         return False
-    rank = _rank(node.args[0])
+    rank = rank_of(node.args[0])
     if is_call(node, aten.select.int):
         return node.args[1] % rank == rank - 1 and node.args[2] == 0
     return len(node.args) > 1 and _last_dim(node.args[1], rank)
@@ -93,8 +85,8 @@ def _gathered(node: Any) -> tuple[Node, Node, Node] | None:
     if not is_call(node, aten.gather.default) or arg(node, 3, "sparse_grad", False):
         return None
     source, dim, index = node.args[:3]
-    rank = _rank(source)
-    if not rank or _rank(index) != rank or dim % rank != rank - 1:
+    rank = rank_of(source)
+    if not rank or rank_of(index) != rank or dim % rank != rank - 1:
         return None
     if not statically_known_true(tensor_val(index).shape[-1] == 1):
         return None
@@ -131,7 +123,7 @@ def _read(node: Any, sign: float = 1.0, depth: int = 6) -> Rows | None:
                                            log_probs=gathered[0])  # fmt: skip
     if is_call(node, aten.mean.dim) and not arg(node, 2, "keepdim", False):
         x = _log_probs(node.args[0])
-        rank = _rank(node.args[0])
+        rank = rank_of(node.args[0])
         if x is not None and _last_dim(node.args[1], rank):
             return Rows(
                 x, None, -sign, smooth=True, reads=frozenset([node]), log_probs=node.args[0]
@@ -145,7 +137,7 @@ def _read(node: Any, sign: float = 1.0, depth: int = 6) -> Rows | None:
 
 def _soft(node: Node, sign: float) -> Rows | None:
     """`sign * (p * log_softmax(x)).sum(-1)`: the loss against probability targets p."""
-    product, rank = node.args[0], _rank(node.args[0])
+    product, rank = node.args[0], rank_of(node.args[0])
     if not rank or not _last_dim(node.args[1], rank) or arg(node, 3, "dtype") is not None:
         return None
     if not is_call(product, aten.mul.Tensor):
@@ -166,7 +158,7 @@ def _log_sum_exp_minus_picked(node: Node, sign: float) -> Rows | None:
     found = _gathered(picked)
     if found is None or not is_call(lse, aten.logsumexp.default) or lse.args[0] is not found[0]:
         return None
-    rank = _rank(found[0])
+    rank = rank_of(found[0])
     if not same_shape(tensor_val(lse), tensor_val(picked)) or not _last_dim(lse.args[1], rank):
         return None
     return Rows(found[0], found[1], sign)
@@ -206,8 +198,8 @@ def rows_written_out(node: Node, ctx: RuleContext) -> Node | None:
     if rows is None or _loss_rows(only_user(node)) is not None:
         return None
     x, target = rows.logits, rows.target
-    rank = _rank(x)
-    classes = _size(ctx, x, rank - 1)
+    rank = rank_of(x)
+    classes = ctx.size(x, rank - 1)
     logits = ctx.call(aten.reshape.default, x, [-1, classes])
     soft = tensor_val(target).is_floating_point()
     target = ctx.call(aten.reshape.default, target, [-1, classes] if soft else [-1])
@@ -223,14 +215,8 @@ def rows_written_out(node: Node, ctx: RuleContext) -> Node | None:
         what += f", times {rows.scale:g}"
         loss = ctx.call(aten.mul.Tensor, loss, rows.scale)
     ctx.note("rewritten", "cross_entropy", node, f"read as {what}")
-    rows = [_size(ctx, x, d) for d in range(rank - 1)]
-    return ctx.call(aten.reshape.default, loss, rows + [1] * (_rank(node) - len(rows)))
-
-
-def _size(ctx: RuleContext, x: Node, dim: int) -> Any:
-    """`x`'s size along `dim`: a number where static, a `sym_size` node where symbolic."""
-    size = tensor_val(x).shape[dim]
-    return size if isinstance(size, int) else ctx.call(aten.sym_size.int, x, dim)
+    rows = [ctx.size(x, d) for d in range(rank - 1)]
+    return ctx.call(aten.reshape.default, loss, rows + [1] * (rank_of(node) - len(rows)))
 
 
 def negation_inside(node: Node, ctx: RuleContext) -> Node | None:

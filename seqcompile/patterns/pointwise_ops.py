@@ -12,6 +12,7 @@ per op, operand dtypes and constant arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from typing import Any
@@ -44,7 +45,7 @@ _COMPARISONS = [
 ]
 _SPELLED = frozenset(
     [
-        aten.dropout.default, aten.to.dtype, aten._to_copy.default, aten.clone.default,
+        aten.to.dtype, aten._to_copy.default, aten.clone.default,
         aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
         aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
         aten.neg.default, aten.reciprocal.default, aten.where.self, aten.where.ScalarOther,
@@ -60,8 +61,8 @@ _SPELLED = frozenset(
         aten.__xor__.Tensor, *_COMPARISONS,
     ]
 )  # fmt: skip
-"""Ops the printer spells, forward and gradient, at any arguments, without tracing them alone
-(dropout: a region's program makes it a keep-mask before it is traced)."""
+"""Ops the printer spells, forward and gradient, at any arguments: not traced alone (dropout,
+which a region's program makes a keep-mask before it is traced, is checked by its arguments)."""
 DTYPES = frozenset(
     [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int8,
      torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -102,6 +103,8 @@ def refusal(node: Node) -> Reject | None:
         if not isinstance(p, numbers.Real) or not 0 < p < 1 or train is not True:
             return Reject("dropout with p={} train={}", p, train)
         return None
+    if node.target in _SPELLED:
+        return None
     why = _unspelled(node.target, _signature(node.args), _signature(node.kwargs))
     return None if why is None else Reject("{}", why)
 
@@ -112,17 +115,11 @@ def unsupported_ops(gm: GraphModule) -> list[str]:
     return sorted({str(n.target) for n in calls if not element_wise(n.target)})
 
 
+@dataclasses.dataclass(frozen=True)
 class _Operand:
     """A tensor argument in a traced signature: its dtype."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Operand) and other.dtype == self.dtype
-
-    def __hash__(self) -> int:
-        return hash(self.dtype)
+    dtype: torch.dtype
 
 
 def _signature(args: Any) -> Any:
@@ -140,8 +137,6 @@ def _signature(args: Any) -> Any:
 def _unspelled(target: Any, args: tuple, kwargs: tuple) -> str | None:
     """Why the kernels cannot compute `target` at this signature, forward or gradient (None:
     they can), found by tracing it alone and printing the trace."""
-    if target in _SPELLED:
-        return None
     operands = [a for a in (*args, *(v for _, v in kwargs)) if isinstance(a, _Operand)]
 
     def fill(values: Any, tensors: Any) -> Any:
