@@ -4,6 +4,8 @@ on both paths, against the op run eagerly in float64. The ops are read from torc
 from where the op is defined: mixed signs where it is defined there, else (0.1, 0.9), else
 (1.1, 3). An op the kernels cannot spell is refused with the reason, and is listed here."""
 
+import functools
+import math
 import warnings
 
 import pytest
@@ -172,3 +174,40 @@ def test_integer_remainders_take_torchs_signs(impl, fn):
     region = region_of_function(fn, [x])
     (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
     assert torch.equal(out, fn(x))
+
+
+SPECIAL_VALUES = [
+    -math.inf,
+    -3.0,
+    -1.0,
+    -0.5,
+    -0.0,
+    0.0,
+    0.5,
+    1.0,
+    2.5,
+    3.0,
+    1e30,
+    math.inf,
+    math.nan,
+]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "log1p", "expm1", "exp2", "log2", "log10", "atan", "asin", "acos", "tan", "sinh", "cosh",
+        "asinh", "acosh", "atanh", "erfc", "erfinv", "lgamma", "digamma", "special.ndtri",
+        "round", "trunc", "floor", "ceil",
+    ],
+)  # fmt: skip
+@pytest.mark.kernels("pointwise:forward")
+def test_the_written_functions_at_poles_infinities_signed_zeros_and_nan(impl, name):
+    """The functions written from Triton's own give torch's values where their formulas could
+    not: inf, NaN, -0.0, poles, the ends of their domains."""
+    fn = functools.reduce(getattr, name.split("."), torch)
+    x = torch.tensor(SPECIAL_VALUES)
+    region = region_of_function(lambda t: fn(t) * 1.0, [x])
+    (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    expected = fn(x.double()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
