@@ -3,8 +3,9 @@ computed on the spot, erasing what a rewrite left unused, and naming a site for 
 
 from __future__ import annotations
 
+import concurrent.futures
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,15 @@ RESHAPES = (
 )
 """The ops that give a tensor another shape (or layout) over the same elements in the same
 logical order."""
+
+
+def in_own_thread(fn: Callable[[], Any]) -> Any:
+    """`fn()`, run in a thread of its own, so that a trace it makes sees none of the caller's
+    thread-local state: the caller may be inside an autograd.Function forward (autograd keys
+    excluded, grad off) or inside another trace (its modes, functionalization's included, would
+    wrap the values made here)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def val(node: Any) -> Any:

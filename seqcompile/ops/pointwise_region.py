@@ -9,7 +9,6 @@ full-size and is summed to the input's shape by the caller.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -24,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.pointwise import PRINTABLE
 from seqcompile.custom_function import apply_one
+from seqcompile.fx_utils import in_own_thread
 
 aten = torch.ops.aten
 _STAND_IN = (2,)
@@ -162,9 +162,7 @@ def _decompositions() -> dict:
 
 
 def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
-    """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own: the caller may be inside
-    an autograd.Function forward (autograd keys excluded, grad off) or inside another trace (its
-    modes, functionalization's included, would wrap stand-ins made here), all thread-local."""
+    """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own (`in_own_thread`)."""
 
     def traced_here() -> GraphModule:
         with FakeTensorMode(), torch.enable_grad():
@@ -178,8 +176,7 @@ def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
             return _clean(make_fx(functional, decomposition_table=_decompositions())(*plain))
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(traced_here).result()
+        return in_own_thread(traced_here)
     except Exception as error:  # a region op that fake tensors or autograd cannot trace
         raise UnsupportedRegion(f"tracing the region failed: {error}") from error
 

@@ -14,6 +14,7 @@ from seqcompile.ops import (
     attention,
     cross_entropy,
     linear_cross_entropy,
+    linear_row_loss,
     norm,
     pointwise,
     soft_cross_entropy,
@@ -25,6 +26,7 @@ ENTRIES: tuple[FusedOp, ...] = (
     norm.ENTRY,
     cross_entropy.ENTRY,
     linear_cross_entropy.ENTRY,
+    linear_row_loss.ENTRY,
     soft_cross_entropy.ENTRY,
     pointwise.ENTRY,
 )

@@ -7,6 +7,7 @@ from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
 from seqcompile.patterns.loss import LossPattern
 from seqcompile.patterns.norm import NormPattern
+from seqcompile.patterns.row_loss import RowLossPattern
 
 FAMILIES = registry.FAMILIES
 """Report keys of the built-in families (those the registry's entries name); user patterns may
@@ -14,4 +15,4 @@ not take these names."""
 
 
 def builtin_patterns() -> list[Pattern]:
-    return [AttentionPattern(), NormPattern(), LossPattern()]
+    return [AttentionPattern(), NormPattern(), RowLossPattern(), LossPattern()]

@@ -30,6 +30,7 @@ from seqcompile.fx_utils import (
     is_barrier,
     is_call,
     only_user,
+    rank_of,
     site_name,
     tensor_val,
 )
@@ -106,15 +107,7 @@ def _read_loss(node: Node) -> Loss | Reject | None:
             "targets must be class indices (one per row) or probabilities (one per logit)"
         )
     elif tv.dtype != torch.int64:
-        # eager raises for int32 and the other integer types (uint8, which it takes, Dynamo's
-        # tracing of the loss refuses first); left in the graph, the loss raises eager's error
-        # when the rest runs eagerly (Inductor's decomposition takes int32, as it does without
-        # seqfast)
-        return Reject(
-            "targets of dtype {} are left to eager, whose cross-entropy raises for any integer"
-            " type but int64 and uint8; pass int64 targets (target.long()) to fuse the loss",
-            tv.dtype,
-        )
+        return Reject(eager_raises(node))
     if xv.dtype not in (torch.float32, *_HALF):
         return Reject("logits dtype {} is not supported (float32, float16, bfloat16)", xv.dtype)
     if not 0.0 <= smoothing <= 1.0:
@@ -132,6 +125,23 @@ def _read_loss(node: Node) -> Loss | Reject | None:
         return Reject(why)
     return Loss(
         node, logits, order, target, reduction, ignore_index, smoothing, absorbed, soft, weight
+    )
+
+
+def eager_raises(node: Node) -> str | None:
+    """Why eager's `node` raises where its decomposition would not (None: it does not): a
+    cross-entropy or NLL loss over class indices of any integer type but int64. (Eager raises for
+    int32 and the others; uint8, which it takes, Dynamo's tracing refuses first.) Left in the
+    graph, the loss raises eager's error when the rest runs eagerly; Inductor's decomposition
+    takes int32, as it does without seqfast."""
+    if not is_call(node, aten.cross_entropy_loss.default, *normalize_loss.NLL):
+        return None
+    target = tensor_val(node.args[1])
+    if target is None or target.dtype.is_floating_point or target.dtype == torch.int64:
+        return None
+    return (
+        f"targets of dtype {target.dtype} are left to eager, whose cross-entropy raises for any"
+        " integer type but int64 and uint8; pass int64 targets (target.long()) to fuse the loss"
     )
 
 
@@ -198,20 +208,28 @@ def _read_linear(logits: Node) -> Linear | None:
     while is_call(node, *RESHAPES):
         views.append(node)
         node = node.args[0]
+    linear = linear_at(node)
+    if linear is None or tensor_val(node).shape[-1] != tensor_val(logits).shape[-1]:
+        return None
+    return dataclasses.replace(linear, views=views)
+
+
+def linear_at(node: Node) -> Linear | None:
+    """`node` read as a linear layer: `aten.linear` or `x @ W.t()`, W of rank 2."""
     if is_call(node, aten.linear.default):
         hidden, weight, bias = node.args[0], node.args[1], arg(node, 2, "bias")
     elif is_call(node, aten.matmul.default) and is_call(node.args[1], *_TRANSPOSES):
         hidden, weight, bias = node.args[0], node.args[1].args[0], None
     else:
         return None
-    if tensor_val(weight).dim() != 2 or tensor_val(node).shape[-1] != tensor_val(logits).shape[-1]:
+    if rank_of(weight) != 2:
         return None
-    return Linear(node, hidden, weight, bias, views)
+    return Linear(node, hidden, weight, bias, [])
 
 
-def _why_no_linear(logits: Node) -> str | None:
-    """Why logits computed from a linear through other ops (a scale, a soft cap) are built whole:
-    what lies between; None where no linear is found a few element-wise ops up."""
+def _linear_up(logits: Node) -> tuple[Node, str] | None:
+    """A linear that computes `logits` through other ops (a scale, a soft cap), found a few
+    element-wise ops up, and why they are built whole: what lies between."""
     node, between = logits, []
     for _ in range(8):
         operands = [a for a in node.all_input_nodes if _same_elements(a, logits)]
@@ -221,9 +239,10 @@ def _why_no_linear(logits: Node) -> str | None:
             return None
         between.append(str(node.target).removeprefix("aten."))
         node = operands[0]
-        if _read_linear(node) is not None:
+        linear = _read_linear(node)
+        if linear is not None:
             ops = ", ".join(reversed(between))
-            return (
+            return linear.node, (
                 f"the logits come from a linear through {ops}, which the fused linear +"
                 " cross-entropy does not compute, so they are built"
             )
@@ -248,12 +267,12 @@ def _why_logits_stay(loss: Loss, linear: Linear) -> str | None:
         return "it takes class indices; against probability targets the logits are built"
     if loss.weight is not None:
         return "it weighs no class; with class weights the logits are built"
-    if not _only_autocast_between(linear.node, loss.node):
+    if not only_autocast_between(linear.node, loss.node):
         return "grad mode or an in-place op changes between the linear and the loss"
     return None
 
 
-def _only_autocast_between(first: Node, last: Node) -> bool:
+def only_autocast_between(first: Node, last: Node) -> bool:
     """No barrier but autocast switches lies between: the fused op names its compute dtype, so
     it may move out of an autocast region, not across a grad-mode change or a mutation."""
     node = first.next
@@ -262,6 +281,16 @@ def _only_autocast_between(first: Node, last: Node) -> bool:
             return False
         node = node.next
     return True
+
+
+def joins_linear(node: Node) -> bool:
+    """Whether `node` is a cross-entropy this family fuses with the linear before it
+    (`seqfast::linear_cross_entropy`)."""
+    loss = _read_loss(node)
+    if not isinstance(loss, Loss) or loss.order is not None:
+        return False
+    linear = _read_linear(loss.logits)
+    return linear is not None and _why_logits_stay(loss, linear) is None
 
 
 def _reduce(ctx: FuseContext, loss: Loss, rows: Node) -> Node:
@@ -352,6 +381,13 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
     return apply
 
 
+def _said_at(ctx: FuseContext, linear: Node) -> bool:
+    """Whether the report already says why the loss over `linear`'s logits is not chunked (the
+    row-wise loss, anchored at the linear, speaks for the site)."""
+    site = site_name(linear)
+    return any(m.site == site and m.pattern == FAMILY for m in ctx.report.missed)
+
+
 class LossPattern:
     family = FAMILY
 
@@ -360,8 +396,14 @@ class LossPattern:
         if loss is None or isinstance(loss, Reject):
             return loss
         linear = _read_linear(loss.logits) if loss.order is None else None
-        why = _why_logits_stay(loss, linear) if linear is not None else _why_no_linear(loss.logits)
-        if why is not None:
-            ctx.report.missed.append(Missed(site_name(node), linear_cross_entropy.ENTRY.name, why))
+        if linear is not None:
+            why = _why_logits_stay(loss, linear)
+            apart = (linear.node, why) if why is not None else None
+        else:
+            apart = _linear_up(loss.logits)
+        if apart is not None:
+            if not _said_at(ctx, apart[0]):
+                missed = Missed(site_name(node), linear_cross_entropy.ENTRY.name, apart[1])
+                ctx.report.missed.append(missed)
             linear = None
         return _rewrite(loss, linear)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers the op)
 from seqcompile.ops import cross_entropy as ce
-from seqcompile.ops.linear_cross_entropy import default_chunk
+from seqcompile.ops.linear_head import default_chunk
 
 IGNORE = -100
 REDUCTIONS = {"mean": True, "sum": False}

@@ -215,12 +215,14 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
     while True:
         users = list(node.users)
         if len(users) != 1:
+            if not any(_is_values_product(u, node) or _reaches_values(u) for u in users):
+                return None  # no product with values: a softmax of something else
             return Reject(
                 "the attention probabilities are read outside the attention (returned as "
                 "attention weights?); the fused kernel never forms them"
             )
         user = users[0]
-        if is_call(user, aten.matmul.default) and user.args[0] is node:
+        if _is_values_product(user, node):
             return user, p, nodes
         if is_call(user, *CASTS, *_COPIES) or batch_reshape(user):
             pass
@@ -240,10 +242,15 @@ def _reaches_values(node: Node, steps: int = 3) -> bool:
         user = only_user(node)
         if user is None:
             return False
-        if is_call(user, aten.matmul.default) and user.args[0] is node:
+        if _is_values_product(user, node):
             return True
         node = user
     return False
+
+
+def _is_values_product(user: Node, probabilities: Node) -> bool:
+    """Whether `user` is a matmul with `probabilities` on the left (`probs @ v`)."""
+    return is_call(user, aten.matmul.default) and user.args[0] is probabilities
 
 
 def _operand_scale(node: Node) -> tuple[Node, float]:

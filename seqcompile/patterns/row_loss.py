@@ -1,0 +1,253 @@
+"""The loss family's chunked linear + row-wise loss: when the logits of a linear reach a scalar loss
+only through math on each of their rows and sums over the rows (cross-entropy with a z-loss,
+soft-capped or masked logits, KL or JSD against a teacher's logits, class weights, a per-token
+loss summed by hand), the linear and the loss become `seqfast::linear_row_loss`, and the logits are
+never built whole.
+
+The site is anchored at the linear. Its *region* is every node computed from its output; it must
+end in one scalar, the loss, that nothing else in the region reads. The region is traced to core
+ATen and read by `row_loss_split`, whose refusal names the op that stops it; the loss's joint
+(chunk terms and their gradient) is traced from what it reads (`ops/row_loss.py`). Where the
+region is a plain cross-entropy, `seqfast::linear_cross_entropy` (with its kernel) takes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functionalize
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.node import map_arg
+
+from seqcompile.fx_utils import (
+    concrete,
+    erase_unused,
+    has_symbols,
+    in_own_thread,
+    insert_getitem,
+    is_call,
+    tensor_val,
+    val,
+)
+from seqcompile.ops import linear_row_loss, row_loss
+from seqcompile.patterns import loss as loss_family
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.patterns.row_loss_split import NotRowWise, Split, split
+
+aten = torch.ops.aten
+_MAX_REGION = 256
+"""Nodes past which a linear's region is taken for the rest of a model, not a loss."""
+_NOT_LOSS = frozenset(
+    [aten.mm.default, aten.bmm.default, aten.addmm.default, aten.linear.default,
+     aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
+     aten.scaled_dot_product_attention.default, aten.embedding.default]
+)  # fmt: skip
+"""Ops that mark a linear's region as more of the model (a loss reads its logits row by row)."""
+
+
+def _region(start: Node) -> tuple[list[Node], Node] | None:
+    """Every node computed from `start`, in graph order, and the one the graph returns (the loss);
+    None where they are not a loss over `start` (too many, a matmul, not one scalar out)."""
+    region, frontier = {start}, [start]
+    while frontier:
+        for user in frontier.pop().users:
+            if user in region or user.op == "output":
+                continue
+            if user.op != "call_function" or is_call(user, *_NOT_LOSS):
+                return None
+            if len(region) >= _MAX_REGION:
+                return None
+            region.add(user)
+            frontier.append(user)
+    sinks = [n for n in region if any(u.op == "output" for u in n.users)]
+    if len(sinks) != 1 or sinks[0] is start:
+        return None
+    out = tensor_val(sinks[0])
+    if out is None or not out.is_floating_point() or out.numel() != 1:
+        return None
+    nodes = [n for n in start.graph.nodes if n in region and n is not start]
+    return nodes, sinks[0]
+
+
+def _externals(nodes: list[Node], start: Node) -> list[Node]:
+    """The values the region reads that it does not compute, in order of first reading."""
+    inside = {start, *nodes}
+    return list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+
+
+def _traced(start: Node, nodes: list[Node], externals: list[Node], loss: Node) -> GraphModule:
+    """The region as its own graph (placeholders: the logits, then `externals`), traced to core
+    ATen on fake values."""
+    graph = Graph()
+    env = {start: graph.placeholder("logits")}
+    env.update({e: graph.placeholder(e.name) for e in externals})
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[loss])
+    module = GraphModule(torch.nn.Module(), graph)
+    inputs = [tensor_val(n) for n in (start, *externals)]
+
+    def trace() -> GraphModule:
+        with FakeTensorMode():
+            examples = [
+                torch.empty_strided(
+                    [concrete(s) for s in t.shape], [concrete(s) for s in t.stride()],
+                    dtype=t.dtype, device=t.device,
+                )
+                for t in inputs
+            ]  # fmt: skip
+            return _core_aten(module, examples)
+
+    try:
+        return in_own_thread(trace)
+    except Exception as error:  # an op fake tensors or the decompositions cannot trace
+        raise row_loss.UntraceableLoss(f"tracing the loss failed: {error}") from error
+
+
+def _core_aten(fn: Callable, examples: Sequence[torch.Tensor]) -> GraphModule:
+    """`fn` traced at `examples` into core ATen without mutations (a decomposition may write in
+    place)."""
+    traced = make_fx(fn, decomposition_table=core_aten_decompositions())(*examples)
+    functional = functionalize(traced, remove="mutations")
+    return make_fx(functional, decomposition_table=core_aten_decompositions())(*examples)
+
+
+def _why_not(
+    linear: loss_family.Linear, nodes: list[Node], externals: list[Node], loss: Node, ctx
+) -> str | None:
+    """Why the region cannot be chunked before it is read (None: it may be)."""
+    raising = next(filter(None, map(loss_family.eager_raises, nodes)), None)
+    if raising is not None:
+        return raising
+    if not loss_family.only_autocast_between(linear.node, loss):
+        return "grad mode or an in-place op changes between the linear and the loss"
+    if any(tensor_val(e) is None for e in externals):
+        names = ", ".join(e.name for e in externals if tensor_val(e) is None)
+        return f"the loss reads values that are not tensors ({names})"
+    if has_symbols([val(n) for n in (linear.node, *externals)]):
+        return "the logits or what the loss reads have dynamic shapes"
+    needing = [e.name for e in externals if ctx.requires_grad(e)]
+    if needing:
+        return (
+            f"the loss reads {', '.join(needing)}, which needs a gradient the chunked loss does"
+            " not compute"
+        )
+    return None
+
+
+def _inline(ctx: FuseContext, prepare: GraphModule, externals: Sequence[Node]) -> list[Node]:
+    """`prepare`'s nodes, inserted into the graph at the insertion point; its outputs."""
+    env: dict[Node, Node] = {}
+    placeholders = iter(externals)
+    outputs: list[Node] = []
+    for node in prepare.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "output":
+            outputs = list(map_arg(node.args[0], env.__getitem__))
+        else:
+            args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = ctx.call(node.target, *args, **kwargs)
+    return outputs
+
+
+def _cut(values: Sequence, parts: Split) -> tuple[list, list, list]:
+    """`prepare`'s outputs as (row inputs, constants, post inputs)."""
+    rows, consts = parts.num_rows, parts.num_consts
+    return list(values[:rows]), list(values[rows : rows + consts]), list(values[rows + consts :])
+
+
+def program_of(
+    parts: Split, logits: torch.Tensor, values: Sequence[torch.Tensor]
+) -> row_loss.RowLoss:
+    """Register the loss program of `parts` (`values`: examples of `prepare`'s outputs)."""
+    rows, consts, post = _cut(values, parts)
+    return row_loss.register(parts.rows, parts.post, parts.num_terms, logits, rows, consts, post)
+
+
+def program_of_function(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, others: Sequence[torch.Tensor]
+) -> tuple[row_loss.RowLoss, list, list, list]:
+    """The loss program of `fn(logits, *others)` (real values), and its row inputs, constants and
+    post inputs at `others`: what the samples and tests call the op with."""
+    parts = split(_core_aten(fn, [logits, *others]))
+    values = list(parts.prepare(*others))
+    return (program_of(parts, logits, values), *_cut(values, parts))
+
+
+def _rewrite(linear, nodes, loss, externals, parts: Split, program: row_loss.RowLoss) -> Rewrite:
+    def apply(ctx: FuseContext) -> Node:
+        with ctx.gm.graph.inserting_before(loss):  # after every value the loss reads
+            rows, consts, post = _cut(_inline(ctx, parts.prepare, externals), parts)
+            width = tensor_val(linear.hidden).shape[-1]
+            hidden = ctx.call(aten.reshape.default, linear.hidden, [-1, width])
+            needs = [ctx.requires_grad(n) for n in (linear.hidden, linear.weight, linear.bias)]
+            fused = ctx.call_fused(
+                linear_row_loss.FORWARD,
+                hidden=hidden,
+                weight=linear.weight,
+                bias=linear.bias,
+                rows=rows,
+                consts=consts,
+                post=post,
+                program=program.key,
+                chunk=ctx.options.loss_chunk,
+                compute_dtype=tensor_val(linear.node).dtype,
+                needs_grad=needs,
+            )
+            result = insert_getitem(ctx.gm.graph, fused, 0)
+            out = tensor_val(loss)
+            if out.dtype != torch.float32:
+                result = ctx.call(aten.to.dtype, result, out.dtype)
+            result = ctx.call(aten.reshape.default, result, list(out.shape))
+        loss.replace_all_uses_with(result)
+        replaced = [*reversed(nodes), linear.node]
+        if is_call(linear.node, aten.matmul.default):
+            replaced.append(linear.node.args[1])
+        erase_unused(replaced)
+        _erase_dead(externals)  # what fed only the loss (a teacher's softmax) is not visited
+        return fused
+
+    return apply
+
+
+def _erase_dead(nodes: list[Node]) -> None:
+    """Erase each of `nodes` left without readers, and what then fed nothing, upwards."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.op == "call_function" and not node.users and not node.is_impure():
+            stack.extend(node.all_input_nodes)
+            node.graph.erase_node(node)
+
+
+class RowLossPattern:
+    family = loss_family.FAMILY
+
+    def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
+        linear = loss_family.linear_at(node)
+        found = _region(node) if linear is not None else None
+        if found is None:
+            return None
+        nodes, loss = found
+        if loss_family.joins_linear(loss):
+            return None  # linear_cross_entropy's, with its kernel
+        externals = _externals(nodes, node)
+        why = _why_not(linear, nodes, externals, loss, ctx)
+        if why is not None:
+            return Reject("the loss over this linear's logits is not chunked: {}", why)
+        try:
+            parts = split(_traced(node, nodes, externals, loss))
+            with ctx.fake_mode:
+                values = parts.prepare(*(val(e) for e in externals))
+            program = program_of(parts, tensor_val(node), values)
+        except (NotRowWise, row_loss.UntraceableLoss) as why_not:
+            return Reject(
+                "the loss over this linear's logits is not chunked, so they are built: {}",
+                why_not,
+            )
+        return _rewrite(linear, nodes, loss, externals, parts, program)

@@ -1,0 +1,217 @@
+"""The chunked linear + row-wise loss through torch.compile: a head whose logits reach the loss
+only through math on each row and sums over the rows joins the loss in
+`seqfast::linear_row_loss`, whatever the loss (z-loss, soft cap, label smoothing, masked classes,
+class weights, KL / JSD / cross-entropy against a teacher's logits), matches eager on both paths,
+and keeps no logits-sized tensor; what cannot be chunked says why."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import check_fusion
+from conftest import KERNELS_IN_SLOW_TIER
+from torch import nn
+
+from seqcompile.memory.live_bytes import measure_step
+from seqcompile.memory.saved import saved_bytes
+from seqcompile.ops import samples_row_loss as losses
+from seqcompile.report import collecting
+
+VOCAB, WIDTH, BATCH, LENGTH = 53, 16, 2, 5
+IGNORE = -100
+
+
+class Head(nn.Module):
+    """A trunk layer, then a head whose logits go to `loss(logits, *others)`."""
+
+    def __init__(self, loss, vocab=VOCAB, bias=False):
+        super().__init__()
+        self.trunk = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, vocab, bias=bias)
+        self.loss = loss
+
+    def forward(self, x, *others):
+        return self.loss(self.head(torch.tanh(self.trunk(x))), *others)
+
+
+def targets(vocab=VOCAB, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(vocab, (BATCH, LENGTH), generator=g)
+    t[0, 1] = t[1, 3] = IGNORE
+    return t
+
+
+def teacher(vocab=VOCAB, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return 2 * torch.randn(BATCH, LENGTH, vocab, generator=g)
+
+
+def flat(fn):
+    """`fn` over (rows, classes) logits and row-flattened others."""
+
+    def loss(logits, *others):
+        return fn(logits.flatten(0, 1), *(o.flatten(0, 1) if o.dim() > 1 else o for o in others))
+
+    return loss
+
+
+def z_loss_by_hand(logits, t):
+    ce = F.cross_entropy(logits.transpose(1, 2), t, ignore_index=IGNORE)
+    return ce + 1e-4 * torch.logsumexp(logits, -1).pow(2).mean()
+
+
+def smoothed_with_z_loss(logits, t):
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), label_smoothing=0.1)
+    return ce + 1e-3 * torch.logsumexp(logits.float(), -1).square().mean()
+
+
+def weighted(logits, t):
+    weights = torch.linspace(0.5, 1.5, logits.shape[-1])
+    return F.cross_entropy(logits.flatten(0, 1), t.flatten(), weight=weights, ignore_index=IGNORE)
+
+
+def per_token_summed(logits, t):
+    """A per-token loss summed afterwards and divided by a count, as chunked training code does."""
+    rows = F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="none")
+    return rows.sum() / (t != IGNORE).sum().clamp(min=1)
+
+
+def masked(logits, t):
+    allowed = torch.arange(logits.shape[-1]) % 3 != 1
+    return losses.masked_classes(logits.flatten(0, 1), t.flatten().remainder(3) * 3, allowed)
+
+
+def ce_to_teacher(logits, teacher_logits):
+    return F.cross_entropy(logits.flatten(0, 1), F.softmax(teacher_logits.flatten(0, 1), -1))
+
+
+ROW_LOSSES = {
+    "z-loss": (flat(losses.ce_z_loss), targets),
+    "z-loss-by-hand": (z_loss_by_hand, targets),
+    "soft-cap": (flat(losses.soft_capped), targets),
+    "smoothed-z-loss": (smoothed_with_z_loss, targets),
+    "class-weights": (weighted, targets),
+    "per-token-summed": (per_token_summed, targets),
+    "masked-classes": (masked, targets),
+    "kl-teacher": (flat(losses.kl_to_teacher), teacher),
+    "jsd-teacher": (flat(losses.jsd_to_teacher), teacher),
+    "ce-teacher": (ce_to_teacher, teacher),
+}
+
+
+def row_loss_sites(report):
+    return [site for site in report.sites if "linear_row_loss" in site]
+
+
+@pytest.mark.parametrize("name", sorted(ROW_LOSSES))
+@KERNELS_IN_SLOW_TIER
+@pytest.mark.kernels()
+def test_each_row_wise_loss_joins_its_linear(impl, name):
+    loss, other = ROW_LOSSES[name]
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    report = check_fusion(Head(loss, bias=True), [x, other()], counts={"loss": 1})
+    assert len(row_loss_sites(report)) == 1, report.sites
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 0])
+def test_chunks_of_any_size_give_the_same_loss(chunk):
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    check_fusion(
+        Head(flat(losses.ce_z_loss)), [x, targets()], counts={"loss": 1},
+        options={"loss_chunk": chunk},
+    )  # fmt: skip
+
+
+def test_an_empty_batch_gives_eagers_nan_and_zero_gradients():
+    torch.manual_seed(0)
+    model = Head(flat(losses.ce_z_loss))
+    x = torch.randn(0, LENGTH, WIDTH)
+    with collecting() as report:
+        loss = torch.compile(model, backend="seqfast")(x, targets()[:0])
+        loss.backward()
+    assert row_loss_sites(report)
+    assert loss.isnan() and model(x, targets()[:0]).isnan()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+NOT_ROW_WISE = {
+    "max over rows": (
+        lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) + z.amax(),
+        "amax",
+    ),
+    "product of sums": (
+        lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) * z.logsumexp(-1).mean(),
+        "mul.Tensor of a sum over the rows is not linear",
+    ),
+    "rows mixed": (
+        lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) + z.softmax(0).sum(),
+        "_softmax",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ROW_WISE))
+def test_a_loss_that_is_not_row_wise_is_built_whole_and_says_which_op(name):
+    loss, reason = NOT_ROW_WISE[name]
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    report = check_fusion(
+        Head(loss), [x, targets(seed=2).clamp(min=0)], counts={"loss": 1},
+        missed=[reason],
+    )  # fmt: skip
+    assert not row_loss_sites(report)
+    assert any("is not chunked" in m.reason for m in report.missed)
+
+
+def test_a_teacher_that_learns_through_the_loss_is_not_chunked_and_says_why():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student, self.teacher = nn.Linear(WIDTH, VOCAB), nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, x):
+            return losses.kl_to_teacher(self.student(x), self.teacher(x))
+
+    report = check_fusion(
+        TwoHeads(), [torch.randn(7, WIDTH)], counts={"loss": 0},
+        missed=["which needs a gradient", "which needs a gradient"],
+    )  # fmt: skip
+    assert not row_loss_sites(report)
+
+
+def test_int32_targets_stay_with_eager_which_refuses_them():
+    torch.manual_seed(0)
+    model = Head(flat(losses.ce_z_loss))
+    x = torch.randn(BATCH, LENGTH, WIDTH)
+    with collecting() as report, pytest.raises(RuntimeError, match="Long or Byte"):
+        torch.compile(model, backend="seqfast")(x, targets().clamp(min=0).int())
+    assert not row_loss_sites(report)
+    assert any("torch.int32" in m.reason for m in report.missed)
+
+
+BIG_VOCAB, ROWS, CHUNK = 32_000, 256, 16
+
+
+def test_a_32k_vocabulary_keeps_and_holds_no_logits():
+    """At vocabulary 32k the compiled step saves nothing of the logits' size (saved-tensor hooks),
+    and the memory model holds at most a few chunks of them at once, where eager holds them
+    all (live bytes measured op by op)."""
+    torch.manual_seed(0)
+    model = Head(flat(losses.ce_z_loss), vocab=BIG_VOCAB)
+    x = torch.randn(1, ROWS, WIDTH, requires_grad=True)
+    t = torch.randint(BIG_VOCAB, (1, ROWS))
+    with collecting() as report:
+        compiled = torch.compile(model, backend="seqfast", options={"loss_chunk": CHUNK})
+        compiled(x, t).backward()  # compile outside the hooks: tracing saves too
+    assert len(row_loss_sites(report)) == 1
+    logits_bytes, chunk_bytes = ROWS * BIG_VOCAB * 4, CHUNK * BIG_VOCAB * 4
+    weight_bytes = BIG_VOCAB * WIDTH * 4
+    lasting = [*model.parameters(), x, t]
+    saved = saved_bytes(lambda: compiled(x, t), lasting)
+    assert saved <= weight_bytes + 4 * ROWS * WIDTH * 4  # the finished gradients, no logits
+    (plan,) = report.memory
+    assert all(torch.Size(s).numel() < ROWS * BIG_VOCAB for s in plan.step.kept_shapes)
+    # a weight gradient, its float32 sum and a few chunks of logits: never all of them
+    assert plan.step.peak_bytes < 3 * weight_bytes + 8 * chunk_bytes < logits_bytes
+    assert measure_step(lambda: model(x, t), lasting).peak > logits_bytes
