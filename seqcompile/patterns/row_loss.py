@@ -24,8 +24,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
 from seqcompile.fx_utils import (
+    RESHAPES,
     concrete,
     erase_unused,
+    grad_enabled_at,
     has_symbols,
     in_own_thread,
     insert_getitem,
@@ -36,11 +38,18 @@ from seqcompile.fx_utils import (
 from seqcompile.ops import linear_row_loss, row_loss
 from seqcompile.patterns import loss as loss_family
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.patterns.pointwise_ops import element_wise
 from seqcompile.patterns.row_loss_split import NotRowWise, Split, split
 
 aten = torch.ops.aten
 _MAX_REGION = 256
 """Nodes past which a linear's region is taken for the rest of a model, not a loss."""
+_PULLABLE = frozenset(
+    [*RESHAPES, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+     aten._log_softmax.default, aten.transpose.int, aten.permute.default, aten.t.default,
+     aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default]
+)  # fmt: skip
+"""Ops (beyond element-wise ones) pulled into the region with the values the loss reads."""
 _NOT_LOSS = frozenset(
     [aten.mm.default, aten.bmm.default, aten.addmm.default, aten.linear.default,
      aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
@@ -71,6 +80,31 @@ def _region(start: Node) -> tuple[list[Node], Node] | None:
         return None
     nodes = [n for n in start.graph.nodes if n in region and n is not start]
     return nodes, sinks[0]
+
+
+def _pulled(nodes: list[Node], start: Node, gradients: _Gradients) -> list[Node]:
+    """`nodes` with what computes the values they read only for them, up to a linear, and
+    carries no gradient: row math on a teacher's logits, and the teacher's head itself, then
+    run a chunk at a time too (or, where not row-wise, before the op, as it ran before)."""
+    region = {start, *nodes}
+    frontier = _externals(nodes, start)
+    while frontier:
+        node = frontier.pop()
+        if node in region or node.op != "call_function" or node.is_impure():
+            continue
+        if gradients.carries[node]:
+            continue
+        if not all(u in region for u in node.users):
+            continue
+        linear = loss_family.linear_at(node) is not None
+        if not (linear or is_call(node, *_PULLABLE) or element_wise(node.target)):
+            continue
+        region.add(node)
+        if not linear:
+            frontier.extend(node.all_input_nodes)
+        elif is_call(node, aten.matmul.default):
+            region.add(node.args[1])  # (the transpose of the weight)
+    return [n for n in start.graph.nodes if n in region and n is not start]
 
 
 def _externals(nodes: list[Node], start: Node) -> list[Node]:
@@ -117,7 +151,11 @@ def _core_aten(fn: Callable, examples: Sequence[torch.Tensor]) -> GraphModule:
 
 
 def _why_not(
-    linear: loss_family.Linear, nodes: list[Node], externals: list[Node], loss: Node, ctx
+    linear: loss_family.Linear,
+    nodes: list[Node],
+    externals: list[Node],
+    loss: Node,
+    gradients: _Gradients,
 ) -> str | None:
     """Why the region cannot be chunked before it is read (None: it may be)."""
     raising = next(filter(None, map(loss_family.eager_raises, nodes)), None)
@@ -130,13 +168,47 @@ def _why_not(
         return f"the loss reads values that are not tensors ({names})"
     if has_symbols([val(n) for n in (linear.node, *externals)]):
         return "the logits or what the loss reads have dynamic shapes"
-    needing = [e.name for e in externals if ctx.requires_grad(e)]
+    needing = [e.name for e in gradients.needed(nodes, externals)]
     if needing:
         return (
             f"the loss reads {', '.join(needing)}, which needs a gradient the chunked loss does"
             " not compute"
         )
     return None
+
+
+class _Gradients:
+    """Which values of a graph carry a gradient: computed from inputs that require grad, with
+    grad mode on and no `detach` on the way (a teacher's head under no_grad, or over detached
+    values, carries none). One pass over the graph, in order."""
+
+    def __init__(self, ctx: FuseContext) -> None:
+        self.modes: dict[Node, bool] = {}
+        self.carries: dict[Node, bool] = {}
+        mode = None
+        for node in ctx.gm.graph.nodes:
+            mode = grad_enabled_at(node) if mode is None else mode
+            if is_call(node, torch._C._set_grad_enabled):
+                mode = bool(node.args[0])
+            self.modes[node] = mode
+            if node.op == "placeholder":
+                self.carries[node] = ctx.training and node in ctx.grad_inputs
+            else:
+                self.carries[node] = (
+                    mode
+                    and not is_call(node, aten.detach.default)
+                    and any(self.carries.get(a, False) for a in node.all_input_nodes)
+                )
+
+    def needed(self, nodes: list[Node], externals: list[Node]) -> list[Node]:
+        """The values the region reads that need a gradient through it: they carry one, and a
+        region node reads them with grad mode on."""
+        inside = set(nodes)
+        return [
+            e
+            for e in externals
+            if self.carries[e] and any(self.modes[u] for u in e.users if u in inside)
+        ]
 
 
 def _inline(ctx: FuseContext, prepare: GraphModule, externals: Sequence[Node]) -> list[Node]:
@@ -236,8 +308,12 @@ class RowLossPattern:
         nodes, loss = found
         if loss_family.joins_linear(loss):
             return None  # linear_cross_entropy's, with its kernel
+        gradients = _Gradients(ctx)
+        nodes = _pulled(nodes, node, gradients)
         externals = _externals(nodes, node)
-        why = _why_not(linear, nodes, externals, loss, ctx)
+        if not gradients.carries[node] and gradients.needed(nodes, externals):
+            return None  # a teacher's head: the learning head's loss chunks it
+        why = _why_not(linear, nodes, externals, loss, gradients)
         if why is not None:
             return Reject("the loss over this linear's logits is not chunked: {}", why)
         try:

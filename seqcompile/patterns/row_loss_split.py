@@ -50,6 +50,7 @@ over every element)."""
 _IDENTITIES = frozenset([aten.clone.default, aten.alias.default, aten.detach.default])
 _NORMALIZATIONS = frozenset([aten._log_softmax.default, aten._softmax.default])
 """Row-wise ops over a dimension that keep it."""
+_MATMULS = frozenset([aten.mm.default, aten.addmm.default])
 _PERMUTES = frozenset([aten.permute.default, aten.transpose.int])
 _SUMS = frozenset([aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default])
 _MEANS = frozenset([aten.mean.dim, aten.mean.default])
@@ -134,13 +135,19 @@ class _Reader:
         placeholders = [n for n in loss.graph.nodes if n.op == "placeholder"]
         self.logits, self.others = placeholders[0], placeholders[1:]
         shape = _shape(self.logits)
-        self.num_rows = math.prod(shape[:-1])
+        self.row_sizes = shape[:-1]
+        self.num_rows = math.prod(self.row_sizes)
         self.prepare, self.chunk, self.after = Graph(), Graph(), Graph()
         self.outside: dict[Node, Node] = {n: self.prepare.placeholder(n.name) for n in self.others}
         self.layout: dict[Node, _Layout] = {
             self.logits: _Layout(len(shape), tuple(range(len(shape) - 1)))
         }
-        """Row values: where their rows lie."""
+        """Row values (computed from the logits, or lifted into the chunk): where their rows
+        lie."""
+        self.tainted: set[Node] = {self.logits}
+        """The values computed from the logits."""
+        self.unliftable: set[Node] = set()
+        self.lifting = 0
         self.in_chunk: dict[Node, Node] = {self.logits: self.chunk.placeholder("logits")}
         self.in_post: dict[Node, Node] = {}
         self.row_inputs: dict[tuple, tuple[Node, Node]] = {}
@@ -188,11 +195,60 @@ class _Reader:
         key = (node, tuple(aligned), layout, tuple(out[r] for r in layout.rows))
         return self._prepared(self.row_inputs, key, self.chunk, make)
 
+    def _lift(self, node: Node) -> bool:
+        """Compute `node`, which the logits do not make, in the chunk instead, where it is row math
+        on values sliced with the rows (a teacher's log-probabilities, the targets' mask): so
+        nothing the size of the logits is made whole. Undone where it is not."""
+        if node in self.layout:
+            return True
+        if node in self.unliftable or node.op not in ("placeholder", "call_function"):
+            return False
+        before = (
+            len(self.chunk.nodes), set(self.layout), set(self.in_chunk), dict(self.row_inputs),
+            dict(self.consts),
+        )  # fmt: skip
+        self.lifting += 1
+        try:
+            if node.op == "placeholder":
+                self._sliced(node)
+            else:
+                for a in node.all_input_nodes:
+                    self._lift(a)
+                self._row(node)
+            return True
+        except NotRowWise:
+            self._undo(*before)
+            self.unliftable.add(node)
+            return False
+        finally:
+            self.lifting -= 1
+
+    def _sliced(self, node: Node) -> None:
+        """A placeholder with the logits' rows leading: a row input, sliced with the chunks."""
+        shape = _shape(node)
+        rows = _row_prefix(shape, self.num_rows)
+        if not rows:
+            raise NotRowWise("not laid out by the logits' rows")
+        rest = list(shape[rows:])
+        make = lambda: self._call(aten.reshape.default, self._outside(node), [self.num_rows, *rest])  # noqa: E731
+        self.in_chunk[node] = self._prepared(self.row_inputs, (node,), self.chunk, make)
+        self.layout[node] = _Layout(len(shape), tuple(range(rows)))
+
+    def _undo(self, nodes: int, layout, in_chunk, row_inputs, consts) -> None:
+        for node in reversed(list(self.chunk.nodes)[nodes:]):
+            self.chunk.erase_node(node)
+        for mapping, kept in ((self.layout, layout), (self.in_chunk, in_chunk)):
+            for key in set(mapping) - kept:
+                del mapping[key]
+        self.row_inputs, self.consts = row_inputs, consts
+
     # row values
     def _row(self, node: Node) -> None:
         out = _shape(node)
         tainted = [a for a in node.all_input_nodes if a in self.layout]
-        layout = self.layout[tainted[0]]
+        if not tainted:
+            raise NotRowWise(f"{node.target} reads no row value")
+        layout = self.layout[next((a for a in tainted if a in self.tainted), tainted[0])]
         target = node.target
         if target in _IDENTITIES:
             self._emit_row(node, target, (self.in_chunk[node.args[0]],), {}, layout)
@@ -200,6 +256,8 @@ class _Reader:
             self._view(node, layout, out)
         elif target in _PERMUTES:
             self._permute(node, layout)
+        elif target in _MATMULS:
+            self._matmul(node, layout)
         elif target in _REDUCTIONS:
             self._reduction(node, layout)
         elif target is aten.copy.default:  # functionalized copy_: src in dst's dtype and shape
@@ -239,6 +297,23 @@ class _Reader:
         sizes = [-1, *(out[d] for d in new.others)]
         self._emit_row(node, aten.reshape.default, (x, sizes), {}, new)
 
+    def _matmul(self, node: Node, layout: _Layout) -> None:
+        """Rows times a matrix the same for every row (a teacher's head): `mm(rows, w)`, or
+        `addmm(bias, rows, w)` with a bias of the columns."""
+        *bias, rows, matrix = node.args[:3] if node.target is aten.addmm.default else node.args[:2]
+        whole = [*bias, matrix]
+        if rows not in self.layout or layout.rows != (0,) or any(a in self.layout for a in whole):
+            raise NotRowWise(f"{node.target} of a value that is not (rows, features)")
+        if bias and len(_shape(bias[0])) > 1 and _shape(bias[0])[0] != 1:
+            raise NotRowWise(f"{node.target} with a bias that varies over the rows")
+        args = [self._whole(a) for a in bias] + [self.in_chunk[rows], self._whole(matrix)]
+        self._emit_row(node, node.target, args, {}, layout)
+
+    def _whole(self, node: Node) -> Node:
+        """The chunk's placeholder for `node`, the same for every row, read whole."""
+        make = lambda: self._outside(node)  # noqa: E731
+        return self._prepared(self.consts, (node, "whole"), self.chunk, make)
+
     def _permute(self, node: Node, layout: _Layout) -> None:
         rank = layout.rank
         if node.target is aten.transpose.int:
@@ -274,7 +349,7 @@ class _Reader:
 
     def _element_wise(self, node: Node, tainted: list[Node], layout: _Layout, out) -> None:
         for a in tainted:
-            if self.layout[a] != layout:
+            if a in self.tainted and self.layout[a] != layout:
                 raise NotRowWise(f"{node.target} broadcasts one row value against another")
         if any(out[r] != _shape(tainted[0])[r] for r in layout.rows) or len(out) != layout.rank:
             raise NotRowWise(f"{node.target} broadcasts the rows")
@@ -284,7 +359,7 @@ class _Reader:
         def operand(a):
             if not isinstance(a, Node):
                 return a
-            if a in self.layout:
+            if a in self.tainted or (self._lift(a) and self.layout[a] == layout):
                 return self.in_chunk[a]
             return self._operand(a, out, layout)
 
@@ -304,6 +379,8 @@ class _Reader:
     def _term(self, node: Node) -> None:
         """A sum (or mean) of a row value over every element: the chunk's sum in float32, and in
         `post` the whole sum, as the loss's dtype and shape."""
+        if self.lifting:
+            raise NotRowWise("a sum over the rows of a value the logits do not make")
         x = node.args[0]
         self.terms.append(
             self.chunk.call_function(
@@ -358,13 +435,15 @@ class _Reader:
                 continue
             inputs = node.all_input_nodes
             if any(a in self.in_post for a in inputs):
-                if any(a in self.layout for a in inputs):
+                if any(a in self.tainted for a in inputs):
                     raise NotRowWise(f"{node.target} mixes a sum over the rows with a row value")
                 self._post(node)
-            elif any(a in self.layout for a in inputs):
+            elif any(a in self.tainted for a in inputs):
                 if node.target is operator.getitem:
                     raise NotRowWise("an op with several outputs on the logits")
                 self._row(node)
+                if node not in self.in_post:
+                    self.tainted.add(node)
         return self._split()
 
     def _finish(self, loss) -> None:

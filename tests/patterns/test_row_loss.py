@@ -191,16 +191,24 @@ def test_int32_targets_stay_with_eager_which_refuses_them():
 
 
 BIG_VOCAB, ROWS, CHUNK = 32_000, 256, 16
+BIG = {
+    "z-loss": (flat(losses.ce_z_loss), lambda: torch.randint(BIG_VOCAB, (1, ROWS))),
+    "soft-cap": (flat(losses.soft_capped), lambda: torch.randint(BIG_VOCAB, (1, ROWS))),
+    "kl-teacher": (flat(losses.kl_to_teacher), lambda: torch.randn(1, ROWS, BIG_VOCAB)),
+}
 
 
-def test_a_32k_vocabulary_keeps_and_holds_no_logits():
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_a_32k_vocabulary_keeps_and_holds_no_logits(name):
     """At vocabulary 32k the compiled step saves nothing of the logits' size (saved-tensor hooks),
     and the memory model holds at most a few chunks of them at once, where eager holds them
-    all (live bytes measured op by op)."""
+    all (live bytes measured op by op). A teacher's logits are an input: what the loss computes
+    from them is computed a chunk at a time too."""
     torch.manual_seed(0)
-    model = Head(flat(losses.ce_z_loss), vocab=BIG_VOCAB)
+    loss, other = BIG[name]
+    model = Head(loss, vocab=BIG_VOCAB)
     x = torch.randn(1, ROWS, WIDTH, requires_grad=True)
-    t = torch.randint(BIG_VOCAB, (1, ROWS))
+    t = other()
     with collecting() as report:
         compiled = torch.compile(model, backend="seqfast", options={"loss_chunk": CHUNK})
         compiled(x, t).backward()  # compile outside the hooks: tracing saves too
@@ -215,3 +223,45 @@ def test_a_32k_vocabulary_keeps_and_holds_no_logits():
     # a weight gradient, its float32 sum and a few chunks of logits: never all of them
     assert plan.step.peak_bytes < 3 * weight_bytes + 8 * chunk_bytes < logits_bytes
     assert measure_step(lambda: model(x, t), lasting).peak > logits_bytes
+
+
+class Distillation(nn.Module):
+    """A student learning from a frozen teacher's head, the teacher run under no_grad or with
+    parameters that need no gradient."""
+
+    def __init__(self, loss, vocab=VOCAB, no_grad=True):
+        super().__init__()
+        self.student, self.teacher = Head(loss, vocab), nn.Linear(WIDTH, vocab)
+        self.teacher.requires_grad_(no_grad)
+        self.no_grad = no_grad
+
+    def forward(self, x):
+        if self.no_grad:
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+        else:
+            teacher_logits = self.teacher(x.detach()).detach()
+        return self.student(x, teacher_logits)
+
+
+@pytest.mark.parametrize("no_grad", [True, False])
+@pytest.mark.parametrize("name", ["kl-teacher", "jsd-teacher", "ce-teacher"])
+def test_a_teachers_head_is_chunked_with_the_students(name, no_grad):
+    torch.manual_seed(0)
+    model = Distillation(ROW_LOSSES[name][0], no_grad=no_grad)
+    x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
+    report = check_fusion(model, [x], counts={"loss": 1})
+    assert len(row_loss_sites(report)) == 1, report.sites
+    assert "2 sum" in row_loss_sites(report)[0] or "1 sum" in row_loss_sites(report)[0]
+
+
+def test_a_teachers_head_at_32k_is_never_built_whole():
+    torch.manual_seed(0)
+    model = Distillation(flat(losses.kl_to_teacher), vocab=BIG_VOCAB)
+    x = torch.randn(1, ROWS, WIDTH, requires_grad=True)
+    with collecting() as report:
+        torch.compile(model, backend="seqfast", options={"loss_chunk": CHUNK})(x).backward()
+    assert len(row_loss_sites(report)) == 1
+    (plan,) = report.memory
+    chunk_bytes, weight_bytes = CHUNK * BIG_VOCAB * 4, BIG_VOCAB * WIDTH * 4
+    assert plan.step.peak_bytes < 3 * weight_bytes + 8 * chunk_bytes < ROWS * BIG_VOCAB * 4
