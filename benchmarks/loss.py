@@ -1,7 +1,7 @@
 """The fused loss against eager PyTorch (the logits materialized), Inductor and, where installed,
 Liger-Kernel: cross-entropy over given logits (against class indices and against probabilities),
-and linear + cross-entropy from hidden states, one forward + backward step in bf16, in time and
-peak memory.
+and linear + cross-entropy and linear + cross-entropy with a z-loss from hidden states, one
+forward + backward step in bf16, in time and peak memory.
 
     python -m benchmarks.loss [--quick | --short] [--no-inductor] [--output FILE]
 
@@ -34,11 +34,21 @@ def linear_cross_entropy(hidden, weight, target):
     return F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100)
 
 
+def linear_z_loss(hidden, weight, target):
+    """Cross-entropy plus a z-loss on the log-partition: a row-wise loss the linear joins in
+    chunks (`seqfast::linear_row_loss`)."""
+    logits = F.linear(hidden, weight).float()
+    z_loss = 1e-4 * torch.logsumexp(logits, -1).square().mean()
+    return F.cross_entropy(logits, target, ignore_index=-100) + z_loss
+
+
 CASES = {
     "cross-entropy": cross_entropy,
     "soft cross-entropy": soft_cross_entropy,
     "linear+cross-entropy": linear_cross_entropy,
+    "linear+z-loss": linear_z_loss,
 }
+_LINEAR = ("linear+cross-entropy", "linear+z-loss")
 
 
 def liger_executor(case):
@@ -61,7 +71,7 @@ def make_inputs(case, tokens, vocab, width, device, dtype):
     g = torch.Generator(device=device).manual_seed(0)
     target = torch.randint(vocab, (tokens,), device=device, generator=g)
     target[::7] = -100
-    if case != "linear+cross-entropy":
+    if case not in _LINEAR:
         logits = torch.randn(tokens, vocab, device=device, dtype=dtype, generator=g)
         if case == "soft cross-entropy":
             scores = torch.randn(tokens, vocab, device=device, generator=g)
@@ -152,7 +162,10 @@ def main() -> None:
         sizes = [(8192, 128256)]
     else:
         sizes = [(t, v) for v in (32000, 50257, 128256, 256000) for t in (8192, 32768)]
-    title = "Fused loss: cross-entropy (class and probability targets) and linear + cross-entropy"
+    title = (
+        "Fused loss: cross-entropy (class and probability targets), linear + cross-entropy, and"
+        " linear + cross-entropy + z-loss"
+    )
     lines = header(title, device, "benchmarks.loss")
     lines += [
         f"dtype {dtype}; hidden width {width}; class targets: mean over non-ignored tokens (every"

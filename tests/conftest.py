@@ -41,9 +41,10 @@ TOLERANCES = {
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None):
-    """Compare with the tolerance of `dtype` (default: `expected`'s dtype)."""
+    """Compare with the tolerance of `dtype` (default: `expected`'s dtype), NaN exactly where
+    `expected` has NaN."""
     tol = TOLERANCES[dtype or expected.dtype]
-    torch.testing.assert_close(actual, expected, **tol, check_dtype=True)
+    torch.testing.assert_close(actual, expected, **tol, check_dtype=True, equal_nan=True)
 
 
 @pytest.fixture(autouse=True)

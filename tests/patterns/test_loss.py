@@ -258,6 +258,28 @@ def test_class_weights_scale_each_row_and_the_mean_divides_by_their_sum(impl, re
     check_fusion(loss, logits_and_targets(pad=1), counts={"loss": 1})
 
 
+WEIGHT_LAYOUTS = {
+    "every_other": lambda w: torch.stack([w, w + 1], -1).flatten()[::2],
+    "expanded": lambda w: w[:1].expand(VOCAB),
+}
+"""Class weights as a strided view and expanded from one value. (Weights that require grad are
+refused by eager and by Dynamo alike.)"""
+
+
+@pytest.mark.parametrize("layout", sorted(WEIGHT_LAYOUTS))
+@pytest.mark.parametrize("rows", [0, ROWS])
+def test_class_weights_in_any_layout_and_over_no_rows(layout, rows):
+    """Weights passed in are read through their strides; a mean over no row is eager's NaN."""
+    weights = WEIGHT_LAYOUTS[layout](torch.rand(VOCAB, generator=torch.Generator().manual_seed(3)))
+    logits, target = logits_and_targets(pad=1)
+    logits = logits[:rows].detach().requires_grad_()
+
+    def loss(x, t, w):
+        return F.cross_entropy(x, t, weight=w, ignore_index=1, reduction="sum" if rows else "mean")
+
+    check_fusion(loss, [logits, target[:rows], weights], counts={"loss": 1}, grad=rows > 0)
+
+
 def test_class_weights_with_smoothing_or_probability_targets_are_refused_with_the_reason():
     weights = torch.rand(VOCAB) + 0.5
 
