@@ -104,7 +104,7 @@ def row_loss_sites(report):
 
 @pytest.mark.parametrize("name", sorted(ROW_LOSSES))
 @KERNELS_IN_SLOW_TIER
-@pytest.mark.kernels()
+@pytest.mark.kernels("pointwise")  # the trunk's tanh; the loss's chunks launch none
 def test_each_row_wise_loss_joins_its_linear(impl, name):
     loss, other = ROW_LOSSES[name]
     torch.manual_seed(0)
