@@ -17,17 +17,18 @@ WIDTH, BATCH, LENGTH = 16, 2, 8
 
 class PreNorm(nn.Module):
     """A branch added to the residual stream, normalized, and read by a linear: the linear keeps
-    the norm's output for its weight gradient."""
+    the norm's output for its weight gradient. (A head after it joins the loss.)"""
 
     def __init__(self, rms: bool, p: float):
         super().__init__()
         self.branch, self.fc = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3 * WIDTH)
         self.norm = nn.RMSNorm(WIDTH) if rms else nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(3 * WIDTH, 5)
         self.p = p
 
     def forward(self, x):
         h = x + F.dropout(self.branch(x), self.p, self.training)
-        return self.fc(self.norm(h)).square().mean()
+        return self.head(torch.tanh(self.fc(self.norm(h)))).square().mean()
 
 
 def step(model, x, **options):

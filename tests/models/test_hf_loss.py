@@ -56,3 +56,49 @@ def test_the_loss_fuses_and_the_step_matches_eager(make):
     for (name, p_fast), p_eager in zip(fast.named_parameters(), eager.parameters(), strict=True):
         if p_eager.grad is not None:
             torch.testing.assert_close(p_fast.grad, p_eager.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def gemma2():
+    """Gemma 2 caps its logits (`final_logit_softcapping`): tanh between the head and the loss."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=16,
+        final_logit_softcapping=30.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def cohere():
+    """Cohere scales its logits (`logit_scale`) between the head and the loss."""
+    config = transformers.CohereConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        logit_scale=0.25, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.CohereForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [gemma2, cohere])
+def test_logits_capped_or_scaled_after_the_head_join_it_in_chunks(make):
+    """With `fuse_lm_head_loss`, a head whose logits pass through a soft cap or a scale joins the
+    loss as the row-wise loss: the step matches eager and builds no logits."""
+    from seqcompile.integrations.transformers import fuse_lm_head_loss
+
+    torch.manual_seed(0)
+    eager = make().train()
+    fast = fuse_lm_head_loss(copy.deepcopy(eager))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=g)
+    labels = torch.randint(3, VOCAB, (2, 8), generator=g)
+    labels[0, :3] = -100
+    inputs = dict(input_ids=ids, labels=labels, use_cache=False)
+    expected = eager(**inputs).loss
+    expected.backward()
+    with collecting() as report:
+        loss = torch.compile(fast, backend="seqfast")(**inputs).loss
+    loss.backward()
+    assert any("linear_row_loss" in site for site in report.sites), str(report)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    for (name, p_fast), p_eager in zip(fast.named_parameters(), eager.parameters(), strict=True):
+        if p_eager.grad is not None:
+            torch.testing.assert_close(p_fast.grad, p_eager.grad, atol=2e-5, rtol=1e-4, msg=name)

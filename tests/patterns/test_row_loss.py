@@ -113,7 +113,7 @@ def test_each_row_wise_loss_joins_its_linear(impl, name):
     assert len(row_loss_sites(report)) == 1, report.sites
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 0])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, 0])
 def test_chunks_of_any_size_give_the_same_loss(chunk):
     torch.manual_seed(0)
     x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
@@ -198,7 +198,9 @@ BIG = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BIG))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "soft-cap" else n for n in sorted(BIG)]
+)
 def test_a_32k_vocabulary_keeps_and_holds_no_logits(name):
     """At vocabulary 32k the compiled step saves nothing of the logits' size (saved-tensor hooks),
     and the memory model holds at most a few chunks of them at once, where eager holds them
@@ -244,7 +246,7 @@ class Distillation(nn.Module):
         return self.student(x, teacher_logits)
 
 
-@pytest.mark.parametrize("no_grad", [True, False])
+@pytest.mark.parametrize("no_grad", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["kl-teacher", "jsd-teacher", "ce-teacher"])
 def test_a_teachers_head_is_chunked_with_the_students(name, no_grad):
     torch.manual_seed(0)
