@@ -260,6 +260,11 @@ def _polygamma(order: Any, x: str) -> str:
     return f"{'digamma' if order == 0 else 'trigamma'}({x})"
 
 
+def _unscaled(scaled: str, x: str) -> str:
+    """A Bessel function from its exp(-|x|)-scaled form."""
+    return f"unscaled({x}, {scaled}({x}))"
+
+
 def _signbit(x: str, p: _Printer) -> str:
     bits = "tl.int64" if p.float_type == "tl.float64" else "tl.int32"
     return f"({x}.to({bits}, bitcast=True) < 0)"
@@ -376,7 +381,13 @@ _RULES: dict[Any, _Rule] = {
     aten.asinh.default: _unary("asinh"),
     aten.acosh.default: _unary("acosh"),
     aten.atanh.default: _unary("atanh"),
-    aten.erfc.default: lambda n, a, p: f"(1.0 - tl.erf({p.as_float(a[0], n.args[0])}))",
+    aten.erfc.default: _unary("erfc"),
+    aten.special_erfcx.default: _unary("erfcx"),
+    aten.special_log_ndtr.default: _unary("log_ndtr"),
+    aten.special_i0e.default: _unary("bessel_i0e"),
+    aten.special_i1e.default: _unary("bessel_i1e"),
+    aten.i0.default: lambda n, a, p: _unscaled("bessel_i0e", p.as_float(a[0], n.args[0])),
+    aten.special_i1.default: lambda n, a, p: _unscaled("bessel_i1e", p.as_float(a[0], n.args[0])),
     aten.erfinv.default: _unary("erfinv"),
     aten.lgamma.default: _unary("lgamma"),
     aten.digamma.default: _unary("digamma"),

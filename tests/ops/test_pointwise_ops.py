@@ -19,14 +19,12 @@ from tests.ops.test_pointwise import check, run
 
 aten = torch.ops.aten
 UNSPELLED = {
-    "aten.polygamma.default", "aten.mvlgamma.default", "aten.i0.default",
-    "aten.special_i0e.default", "aten.special_i1.default", "aten.special_i1e.default",
-    "aten.special_erfcx.default", "aten.special_log_ndtr.default", "aten.nextafter.default",
+    "aten.polygamma.default", "aten.mvlgamma.default", "aten.nextafter.default",
     "aten.frexp.Tensor",
 }  # fmt: skip
-"""Ops with a derivative whose forward or gradient has no Triton spelling: Bessel functions,
-the scaled complementary error function, polygamma past order 1 (trigamma's gradient), a
-multivariate log-gamma's sum, frexp's integer exponent, nextafter's bits."""
+"""Ops with a derivative whose forward or gradient has no Triton spelling: polygamma past order 1
+(trigamma's gradient), a multivariate log-gamma's sum, frexp's integer exponent, nextafter's
+bits."""
 _CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
 _DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
 
@@ -198,7 +196,8 @@ SPECIAL_VALUES = [
     [
         "log1p", "expm1", "exp2", "log2", "log10", "atan", "asin", "acos", "tan", "sinh", "cosh",
         "asinh", "acosh", "atanh", "erfc", "erfinv", "lgamma", "digamma", "special.ndtri",
-        "round", "trunc", "floor", "ceil",
+        "round", "trunc", "floor", "ceil", "special.erfcx", "special.log_ndtr", "i0",
+        "special.i0e", "special.i1", "special.i1e",
     ],
 )  # fmt: skip
 @pytest.mark.kernels("pointwise:forward")
@@ -211,3 +210,26 @@ def test_the_written_functions_at_poles_infinities_signed_zeros_and_nan(impl, na
     (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
     expected = fn(x.double()).float()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+TAILS = {
+    "erfc": [0.6, 3.0, 5.0, 9.0, -0.7, -4.0],
+    "special.erfcx": [-3.0, 0.5, 3.9, 4.1, 30.0, 1e4],
+    "special.log_ndtr": [-40.0, -12.0, -1.5, -0.5, 2.0, 6.0],
+    "special.i0e": [0.01, 7.9, 8.1, 50.0, 1e5],
+    "special.i1e": [-0.01, 7.9, 8.1, -50.0, 1e5],
+    "i0": [0.01, 8.5, 60.0],
+    "special.i1": [0.01, -8.5, 60.0],
+}
+"""Points where a value is small next to what a plain formula would subtract or multiply it by:
+erfc(5) is 1.5e-12, where 1 - erf(5) rounds to 0."""
+
+
+@pytest.mark.parametrize("name", sorted(TAILS))
+@pytest.mark.kernels("pointwise:forward")
+def test_special_functions_keep_their_relative_precision_in_the_tails(impl, name):
+    fn = functools.reduce(getattr, name.split("."), torch)
+    x = torch.tensor(TAILS[name])
+    region = region_of_function(lambda t: fn(t) * 1.0, [x])
+    (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    torch.testing.assert_close(out.double(), fn(x.double()), rtol=1e-5, atol=0)
