@@ -254,10 +254,13 @@ def _modulo(floored: bool) -> _Rule:
 
 
 def _polygamma(order: Any, x: str) -> str:
-    """The derivatives of log Gamma the kernels spell: digamma (order 0) and trigamma (1)."""
-    if order not in (0, 1):
+    """The derivatives of log Gamma: digamma (order 0), trigamma (1), and past them by Hurwitz's
+    zeta function."""
+    if not isinstance(order, int) or order < 0:
         raise Unprintable(f"polygamma of order {order!r} has no Triton spelling")
-    return f"{'digamma' if order == 0 else 'trigamma'}({x})"
+    if order < 2:
+        return f"{'digamma' if order == 0 else 'trigamma'}({x})"
+    return f"polygamma({float(order)!r}, {float(math.factorial(order))!r}, {x})"
 
 
 def _unscaled(scaled: str, x: str) -> str:

@@ -18,13 +18,9 @@ from seqcompile.patterns.pointwise_ops import element_wise
 from tests.ops.test_pointwise import check, run
 
 aten = torch.ops.aten
-UNSPELLED = {
-    "aten.polygamma.default", "aten.mvlgamma.default", "aten.nextafter.default",
-    "aten.frexp.Tensor",
-}  # fmt: skip
-"""Ops with a derivative whose forward or gradient has no Triton spelling: polygamma past order 1
-(trigamma's gradient), a multivariate log-gamma's sum, frexp's integer exponent, nextafter's
-bits."""
+UNSPELLED = {"aten.mvlgamma.default", "aten.nextafter.default", "aten.frexp.Tensor"}
+"""Ops with a derivative whose forward or gradient has no Triton spelling: a multivariate
+log-gamma's sum, frexp's integer exponent, nextafter's bits."""
 _CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
 _DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
 
@@ -233,3 +229,13 @@ def test_special_functions_keep_their_relative_precision_in_the_tails(impl, name
     region = region_of_function(lambda t: fn(t) * 1.0, [x])
     (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
     torch.testing.assert_close(out.double(), fn(x.double()), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("order", [2, 3, 4])
+@pytest.mark.kernels("pointwise:forward")
+def test_polygamma_past_trigamma_at_poles_negative_and_large_values(impl, order):
+    x = torch.tensor([-2.0, -1.5, -0.3, 0.0, 0.2, 1.0, 2.5, 30.0, 1e4, math.inf, math.nan])
+    region = region_of_function(lambda t: torch.polygamma(order, t) * 1.0, [x])
+    (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    expected = torch.polygamma(order, x.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0, equal_nan=True)
