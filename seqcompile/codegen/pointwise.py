@@ -268,6 +268,27 @@ def _unscaled(scaled: str, x: str) -> str:
     return f"unscaled({x}, {scaled}({x}))"
 
 
+_BITS = {
+    torch.float16: ("tl.float16", "tl.int16", 1),
+    torch.bfloat16: ("tl.float32", "tl.int32", 1 << 16),
+    torch.float32: ("tl.float32", "tl.int32", 1),
+    torch.float64: ("tl.float64", "tl.int64", 1),
+}
+"""Each float format: the type its bits are stepped in, their integer type and one step (a
+bfloat16 is the top half of a float32)."""
+
+
+def _nextafter(node: Node, a: list[str], p: _Printer) -> str:
+    """A step of the value's bits in its own format (a half type's, not the float32 it is
+    computed in)."""
+    dtype = node.meta["val"].dtype
+    if dtype not in _BITS:
+        raise Unprintable(f"nextafter of {dtype}")
+    float_type, bits, step = _BITS[dtype]
+    x, y = (f"{v}.to({float_type})" for v in a[:2])
+    return f"nextafter({x}, {y}, {bits}, {step}).to({p.float_type})"
+
+
 def _signbit(x: str, p: _Printer) -> str:
     bits = "tl.int64" if p.float_type == "tl.float64" else "tl.int32"
     return f"({x}.to({bits}, bitcast=True) < 0)"
@@ -399,6 +420,7 @@ _RULES: dict[Any, _Rule] = {
         f"(1.4142135623730951 * erfinv(2.0 * {p.as_float(a[0], n.args[0])} - 1.0))"
     ),
     aten.atan2.default: _float_binary("atan2"),
+    aten.nextafter.default: _nextafter,
     aten.hypot.default: _float_binary("hypot"),
     aten.fmax.default: _float_binary("fmax"),
     aten.fmin.default: _float_binary("fmin"),
