@@ -298,6 +298,20 @@ POINTWISE = textwrap.dedent(
         spec, {"IN0": "*fp32", "IN1": "*fp32", "IN2": "*i1", "GRAD0": "*fp32", "DIN0": "*fp32",
                "DIN1": "*fp32"}
     )
+
+    def special(a, b):  # the series, Hurwitz's zeta and the bit steps
+        s = torch.special
+        tails = torch.erfc(a) + s.erfcx(a) + s.log_ndtr(a) + torch.i0(a) + s.i1e(a)
+        return tails * torch.polygamma(2, a) + torch.nextafter(a, b)
+
+    region = region_of_function(special, [x, x.detach().requires_grad_()])
+    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat"), 1, 1)
+    compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*bf16", "OUT0": "*bf16"})
+    plan_key = ((True, True), (1,), (False,))
+    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat"), 1)
+    compile_pointwise(
+        spec, {"IN0": "*fp32", "IN1": "*fp32", "GRAD0": "*fp32", "DIN0": "*fp32", "DIN1": "*fp32"}
+    )
     """
 )
 
@@ -330,7 +344,7 @@ def test_attention_template_variants_compile_to_hopper_cubins():
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():
-    assert compile_for_hopper(POINTWISE).count("ok ") == 4
+    assert compile_for_hopper(POINTWISE).count("ok ") == 6
 
 
 def test_the_loss_chunks_kernel_compiles_on_bfloat16_logits_to_a_hopper_cubin():
