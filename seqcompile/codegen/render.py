@@ -12,7 +12,7 @@ import jinja2
 
 from seqcompile.codegen.cache import KernelSource, ensure_file, import_source, text_digest
 from seqcompile.codegen.launches import CountedKernel
-from seqcompile.codegen.special_series import SERIES
+from seqcompile.codegen.special_series import SERIES, needs_special
 from seqcompile.run import runtime
 
 _TEMPLATES = Path(__file__).parent / "templates"
@@ -23,7 +23,7 @@ _env = jinja2.Environment(
     lstrip_blocks=True,
     keep_trailing_newline=True,
 )
-_env.globals.update(SERIES)  # the special functions' series, for the pointwise helpers
+_env.globals.update(SERIES, needs_special=needs_special)  # for the pointwise helpers
 _lock = threading.Lock()
 _rendered: dict[KernelSpec, tuple[str, str]] = {}
 """Each spec's file name and text. Paths are not kept: the cache folder is looked up again on

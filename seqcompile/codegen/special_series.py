@@ -15,7 +15,8 @@ Each series maps its interval onto t in [-1, 1]:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -53,3 +54,16 @@ SERIES = {
     "ERFCX_FAR": chebyshev(_far(lambda x: x * _S.erfcx(x), 4.0), 20),
 }
 """The series by the name the helpers template reads them under."""
+
+
+FUNCTIONS = re.compile(
+    r"\b(erfc|erfcx|log_ndtr|bessel_i0e|bessel_i1e|unscaled|polygamma|nextafter)\("
+)
+"""The helpers of `pointwise_special.py.jinja` a kernel's code calls by name."""
+
+
+def needs_special(*code: Iterable[str]) -> bool:
+    """Whether generated lines call a helper of `pointwise_special.py.jinja`: kernels that do
+    not leave its series out of their text, which the interpreter would run through at every
+    import."""
+    return any(FUNCTIONS.search(line) for lines in code for line in lines)
