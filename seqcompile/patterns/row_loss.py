@@ -113,17 +113,21 @@ def _externals(nodes: list[Node], start: Node) -> list[Node]:
     return list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
 
 
-def _traced(start: Node, nodes: list[Node], externals: list[Node], loss: Node) -> GraphModule:
-    """The region as its own graph (placeholders: the logits, then `externals`), traced to core
-    ATen on fake values."""
+def _region_module(
+    start: Node, nodes: list[Node], externals: list[Node], loss: Node
+) -> GraphModule:
+    """The region as its own graph: placeholders the logits, then `externals`; output the loss."""
     graph = Graph()
     env = {start: graph.placeholder("logits")}
     env.update({e: graph.placeholder(e.name) for e in externals})
     for node in nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[loss])
-    module = GraphModule(torch.nn.Module(), graph)
-    inputs = [tensor_val(n) for n in (start, *externals)]
+    return GraphModule(torch.nn.Module(), graph)
+
+
+def _traced(module: GraphModule, inputs: list[torch.Tensor]) -> GraphModule:
+    """The region traced to core ATen on fake values of `inputs`' sizes."""
 
     def trace() -> GraphModule:
         with FakeTensorMode():
@@ -140,6 +144,29 @@ def _traced(start: Node, nodes: list[Node], externals: list[Node], loss: Node) -
         return in_own_thread(trace)
     except Exception as error:  # an op fake tensors or the decompositions cannot trace
         raise row_loss.UntraceableLoss(f"tracing the loss failed: {error}") from error
+
+
+_read: dict[str, tuple[Split, row_loss.RowLoss] | str] = {}
+"""Each region read so far (by its code and its inputs' sizes, dtypes and devices): its reading
+and program, or why it has none. A graph compiled again (another path, a recompile) reads its
+loss once."""
+
+
+def _reading(
+    start: Node, nodes: list[Node], externals: list[Node], loss: Node, ctx: FuseContext
+) -> tuple[Split, row_loss.RowLoss] | str:
+    module = _region_module(start, nodes, externals, loss)
+    inputs = [tensor_val(n) for n in (start, *externals)]
+    key = module.code + repr([(t.shape, t.stride(), t.dtype, t.device) for t in inputs])
+    if key not in _read:
+        try:
+            parts = split(_traced(module, inputs))
+            with ctx.fake_mode:
+                values = parts.prepare(*(val(e) for e in externals))
+            _read[key] = (parts, program_of(parts, tensor_val(start), values))
+        except (NotRowWise, row_loss.UntraceableLoss) as why_not:
+            _read[key] = str(why_not)
+    return _read[key]
 
 
 def _core_aten(fn: Callable, examples: Sequence[torch.Tensor]) -> GraphModule:
@@ -316,14 +343,10 @@ class RowLossPattern:
         why = _why_not(linear, nodes, externals, loss, gradients)
         if why is not None:
             return Reject("the loss over this linear's logits is not chunked: {}", why)
-        try:
-            parts = split(_traced(node, nodes, externals, loss))
-            with ctx.fake_mode:
-                values = parts.prepare(*(val(e) for e in externals))
-            program = program_of(parts, tensor_val(node), values)
-        except (NotRowWise, row_loss.UntraceableLoss) as why_not:
+        read = _reading(node, nodes, externals, loss, ctx)
+        if isinstance(read, str):
             return Reject(
-                "the loss over this linear's logits is not chunked, so they are built: {}",
-                why_not,
+                "the loss over this linear's logits is not chunked, so they are built: {}", read
             )
+        parts, program = read
         return _rewrite(linear, nodes, loss, externals, parts, program)

@@ -102,7 +102,17 @@ def row_loss_sites(report):
     return [site for site in report.sites if "linear_row_loss" in site]
 
 
-@pytest.mark.parametrize("name", sorted(ROW_LOSSES))
+DEFAULT_TIER = {"z-loss", "z-loss-by-hand", "class-weights", "kl-teacher"}
+"""The losses the default run takes (the others, and every kernel path, in the slow tier)."""
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(ROW_LOSSES)
+    ],
+)
 @KERNELS_IN_SLOW_TIER
 @pytest.mark.kernels("pointwise")  # the trunk's tanh; the loss's chunks launch none
 def test_each_row_wise_loss_joins_its_linear(impl, name):
@@ -113,7 +123,9 @@ def test_each_row_wise_loss_joins_its_linear(impl, name):
     assert len(row_loss_sites(report)) == 1, report.sites
 
 
-@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, 0])
+@pytest.mark.parametrize(
+    "chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(0, marks=pytest.mark.slow)]
+)
 def test_chunks_of_any_size_give_the_same_loss(chunk):
     torch.manual_seed(0)
     x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
@@ -151,7 +163,11 @@ NOT_ROW_WISE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(NOT_ROW_WISE))
+@pytest.mark.parametrize(
+    "name",
+    [n if n == "product of sums" else pytest.param(n, marks=pytest.mark.slow)
+     for n in sorted(NOT_ROW_WISE)],
+)  # fmt: skip
 def test_a_loss_that_is_not_row_wise_is_built_whole_and_says_which_op(name):
     loss, reason = NOT_ROW_WISE[name]
     torch.manual_seed(0)
@@ -247,7 +263,13 @@ class Distillation(nn.Module):
 
 
 @pytest.mark.parametrize("no_grad", [True, pytest.param(False, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["kl-teacher", "jsd-teacher", "ce-teacher"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kl-teacher",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("jsd-teacher", "ce-teacher")),
+    ],
+)
 def test_a_teachers_head_is_chunked_with_the_students(name, no_grad):
     torch.manual_seed(0)
     model = Distillation(ROW_LOSSES[name][0], no_grad=no_grad)
