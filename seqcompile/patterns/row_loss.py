@@ -272,10 +272,17 @@ def program_of_function(
     fn: Callable[..., torch.Tensor], logits: torch.Tensor, others: Sequence[torch.Tensor]
 ) -> tuple[row_loss.RowLoss, list, list, list]:
     """The loss program of `fn(logits, *others)` (real values), and its row inputs, constants and
-    post inputs at `others`: what the samples and tests call the op with."""
-    parts = split(_core_aten(fn, [logits, *others]))
-    values = list(parts.prepare(*others))
-    return (program_of(parts, logits, values), *_cut(values, parts))
+    post inputs at `others`: what the samples and tests call the op with. The reading depends on
+    `fn` and the sizes and dtypes alone, and is made once for them."""
+    key = (fn, *((tuple(t.shape), t.dtype) for t in (logits, *others)))
+    if key not in _functions_read:
+        parts = split(_core_aten(fn, [logits, *others]))
+        _functions_read[key] = (parts, program_of(parts, logits, list(parts.prepare(*others))))
+    parts, program = _functions_read[key]
+    return (program, *_cut(list(parts.prepare(*others)), parts))
+
+
+_functions_read: dict[tuple, tuple[Split, row_loss.RowLoss]] = {}
 
 
 def _rewrite(linear, nodes, loss, externals, parts: Split, program: row_loss.RowLoss) -> Rewrite:
