@@ -266,6 +266,7 @@ WEIGHT_LAYOUTS = {
 refused by eager and by Dynamo alike.)"""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(WEIGHT_LAYOUTS))
 @pytest.mark.parametrize("rows", [0, ROWS])
 def test_class_weights_in_any_layout_and_over_no_rows(layout, rows):

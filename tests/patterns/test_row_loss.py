@@ -102,7 +102,7 @@ def row_loss_sites(report):
     return [site for site in report.sites if "linear_row_loss" in site]
 
 
-DEFAULT_TIER = {"z-loss-by-hand", "kl-teacher"}
+DEFAULT_TIER = {"z-loss-by-hand"}
 """The losses the default run takes (the others, and every kernel path, in the slow tier)."""
 
 
@@ -123,9 +123,7 @@ def test_each_row_wise_loss_joins_its_linear(impl, name):
     assert len(row_loss_sites(report)) == 1, report.sites
 
 
-@pytest.mark.parametrize(
-    "chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(0, marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("chunk", [pytest.param(c, marks=pytest.mark.slow) for c in (1, 3, 0)])
 def test_chunks_of_any_size_give_the_same_loss(chunk):
     torch.manual_seed(0)
     x = torch.randn(BATCH, LENGTH, WIDTH, requires_grad=True)
@@ -263,7 +261,8 @@ class Distillation(nn.Module):
         return self.student(x, teacher_logits)
 
 
-@pytest.mark.parametrize("no_grad", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("no_grad", [True, False])
 @pytest.mark.parametrize(
     "name",
     [
