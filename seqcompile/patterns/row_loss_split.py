@@ -401,13 +401,12 @@ class _Reader:
 
     # post values
     def _post(self, node: Node) -> None:
-        tainted = [a for a in node.all_input_nodes if a in self.in_post]
         target, args = node.target, node.args
         linear = target in _AFFINE and (target is not aten.select.int or args[0] in self.in_post)
-        if target is aten.mul.Tensor:
-            linear = len(tainted) == 1
+        if target is aten.mul.Tensor:  # by operand, not by node: x * x reads one node twice
+            linear = sum(a in self.in_post for a in args[:2] if isinstance(a, Node)) == 1
         elif target is aten.div.Tensor:
-            linear = tainted == [args[0]] and args[1] not in self.in_post
+            linear = args[0] in self.in_post and args[1] not in self.in_post
         elif target is aten.where.self:
             linear = args[0] not in self.in_post
         if not linear:

@@ -14,6 +14,8 @@ from torch import nn
 from seqcompile.memory.live_bytes import measure_step
 from seqcompile.memory.saved import saved_bytes
 from seqcompile.ops import samples_row_loss as losses
+from seqcompile.patterns.row_loss import program_of_function
+from seqcompile.patterns.row_loss_split import NotRowWise
 from seqcompile.report import collecting
 
 VOCAB, WIDTH, BATCH, LENGTH = 53, 16, 2, 5
@@ -145,6 +147,12 @@ def test_an_empty_batch_gives_eagers_nan_and_zero_gradients():
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+def squared(logits, t):
+    """One sum over the rows times itself (normalize writes it as a square)."""
+    ce = F.cross_entropy(logits.flatten(0, 1), t.flatten())
+    return ce * ce
+
+
 NOT_ROW_WISE = {
     "max over rows": (
         lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) + z.amax(),
@@ -154,6 +162,7 @@ NOT_ROW_WISE = {
         lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) * z.logsumexp(-1).mean(),
         "mul.Tensor of a sum over the rows is not linear",
     ),
+    "square of a sum": (squared, "pow.Tensor_Scalar of a sum over the rows is not linear"),
     "rows mixed": (
         lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()) + z.softmax(0).sum(),
         "_softmax",
@@ -175,6 +184,14 @@ def test_a_loss_that_is_not_row_wise_is_built_whole_and_says_which_op(name):
     )  # fmt: skip
     assert not row_loss_sites(report)
     assert any("is not chunked" in m.reason for m in report.missed)
+
+
+def test_a_sum_times_itself_is_not_read_as_affine():
+    """`ce * ce` reads one node twice: the reading counts operands, not nodes (read as affine, its
+    gradient would be the one at no loss, zero)."""
+    logits, t = torch.zeros(1, 5, VOCAB), torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(NotRowWise, match="mul.Tensor of a sum over the rows is not linear"):
+        program_of_function(squared, logits, [t])
 
 
 @pytest.mark.slow
