@@ -82,7 +82,6 @@ class Split:
     num_terms: int
     num_rows: int
     num_consts: int
-    num_post: int
 
 
 def _shape(node: Node) -> tuple[int, ...]:
@@ -135,8 +134,7 @@ class _Reader:
         placeholders = [n for n in loss.graph.nodes if n.op == "placeholder"]
         self.logits, self.others = placeholders[0], placeholders[1:]
         shape = _shape(self.logits)
-        self.row_sizes = shape[:-1]
-        self.num_rows = math.prod(self.row_sizes)
+        self.num_rows = math.prod(shape[:-1])
         self.prepare, self.chunk, self.after = Graph(), Graph(), Graph()
         self.outside: dict[Node, Node] = {n: self.prepare.placeholder(n.name) for n in self.others}
         self.layout: dict[Node, _Layout] = {
@@ -468,7 +466,7 @@ class _Reader:
         for graph in (self.prepare, self.chunk, self.after):
             graph.eliminate_dead_code()
             modules.append(GraphModule(torch.nn.Module(), graph))
-        return Split(*modules, len(self.terms), len(rows), len(consts), len(post))
+        return Split(*modules, len(self.terms), len(rows), len(consts))
 
 
 def _placeholders_first(graph: Graph, order: list[Node]) -> None:
