@@ -54,7 +54,6 @@ class RowLoss:
     row math as read, before any gradient is traced."""
     num_terms: int
     num_rows: int
-    num_consts: int
     chunk_tensors: int
     """The most values of the joint the size of the chunk of logits that are live at once: the
     chunk-sized temporaries a chunk holds (for the memory model)."""
@@ -72,12 +71,10 @@ def lookup(key: str) -> RowLoss:
     return _registry[key]
 
 
-def _like(t: Tensor, rows: int | None = None) -> Tensor:
-    """Zeros of `t`'s dtype, device and shape (its first dimension `rows` where given): an
-    example for the traces, small whatever `t`'s rows."""
-    shape = [concrete(s) for s in t.shape]
-    shape = shape if rows is None else [rows, *shape[1:]]
-    return torch.zeros(shape, dtype=t.dtype, device=t.device)
+def _rows_like(t: Tensor, rows: int) -> Tensor:
+    """Zeros of `t`'s dtype, device and trailing sizes, `rows` rows of them: the example a trace
+    makes symbolic in its rows (small, whatever `t`'s rows)."""
+    return torch.zeros([rows, *(concrete(s) for s in t.shape[1:])], dtype=t.dtype, device=t.device)
 
 
 def register(
@@ -110,11 +107,15 @@ def register(
         mode = FakeTensorMode(shape_env=ShapeEnv())
 
         def example(t: Tensor, rows: int | None = None) -> Tensor:
-            """A fake of `t`'s dtype, device and sizes, its rows (where given) symbolic."""
-            dims = [DimDynamic.DYNAMIC if rows is not None and i == 0 else DimDynamic.STATIC
-                    for i in range(t.dim())]  # fmt: skip
+            """A fake of `t`'s dtype, device and sizes, its rows (where given) symbolic. Whole
+            values are made fake, never allocated (a teacher's weight may be large)."""
+            if rows is None:
+                with mode:
+                    shape = [concrete(s) for s in t.shape]
+                    return torch.empty(shape, dtype=t.dtype, device=t.device)
+            dims = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (t.dim() - 1)
             context = StatelessSymbolicContext(dynamic_sizes=dims)
-            return mode.from_tensor(_like(t, rows), symbolic_context=context)
+            return mode.from_tensor(_rows_like(t, rows), symbolic_context=context)
 
         classes = concrete(logits.shape[-1])
         chunk = torch.zeros(_EXAMPLE_ROWS, classes, dtype=logits.dtype, device=logits.device)
@@ -138,7 +139,7 @@ def register(
     key = "row_loss_" + hashlib.sha256(text.encode()).hexdigest()[:16]
     if key not in _registry:
         _registry[key] = RowLoss(
-            key, traced_joint, traced_weights, post, rows, num_terms, num_rows, len(consts),
+            key, traced_joint, traced_weights, post, rows, num_terms, num_rows,
             _chunk_sized(traced_joint),
         )  # fmt: skip
     return _registry[key]
