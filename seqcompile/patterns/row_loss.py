@@ -8,7 +8,8 @@ The site is anchored at the linear. Its *region* is every node computed from its
 end in one scalar, the loss, that nothing else in the region reads. The region is traced to core
 ATen and read by `row_loss_split`, whose refusal names the op that stops it; the loss's joint
 (chunk terms and their gradient) is traced from what it reads (`ops/row_loss.py`). Where the
-region is a plain cross-entropy, `seqfast::linear_cross_entropy` (with its kernel) takes it.
+region holds a plain cross-entropy of the logits (scaled after it or not, as with the Trainer's
+`num_items_in_batch`), `seqfast::linear_cross_entropy` (with its kernel) takes it.
 """
 
 from __future__ import annotations
@@ -340,8 +341,8 @@ class RowLossPattern:
         if found is None:
             return None
         nodes, loss = found
-        if loss_family.joins_linear(loss):
-            return None  # linear_cross_entropy's, with its kernel
+        if any(loss_family.joins_linear(n) for n in nodes):
+            return None  # linear_cross_entropy's, with its kernel (scaled after it or not)
         gradients = _Gradients(ctx)
         nodes = _pulled(nodes, node, gradients)
         externals = _externals(nodes, node)

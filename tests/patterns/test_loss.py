@@ -641,6 +641,21 @@ def test_a_linear_feeding_the_loss_joins_it(bias, transposed):
     assert modes(report) == ["forward_grad"]
 
 
+def test_a_summed_loss_divided_by_a_given_count_joins_the_linear_with_its_kernel():
+    """Hugging Face's loss under the Trainer: the sum over this micro-batch's tokens divided by
+    `num_items_in_batch`, a tensor passed in. The scaling after the loss does not hand the head
+    to the row-wise loss, which runs without a kernel."""
+    torch.manual_seed(0)
+    proj = nn.Linear(WIDTH, VOCAB)
+
+    def loss(hidden, target, count):
+        logits = proj(hidden).flatten(0, 1)
+        return F.cross_entropy(logits, target.flatten(), reduction="sum") / count
+
+    report = check_fusion(loss, [*head_inputs(), torch.tensor(40)], counts={"loss": 1})
+    assert modes(report) == ["forward_grad"], str(report)
+
+
 def test_an_upcast_before_the_reshape_is_absorbed_too():
     """Hugging Face's order on a bf16 model: `logits.float()`, then `view(-1, vocab)`."""
     torch.manual_seed(0)
