@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile import normalize_loss, normalize_math, normalize_nll
+from seqcompile import normalize_loss, normalize_math, normalize_nll, normalize_special
 from seqcompile.fx_aliasing import written_through_a_view
 from seqcompile.fx_utils import (
     RESHAPES,
@@ -220,22 +220,6 @@ def _div_by_constant(node: Node, ctx: RuleContext) -> Node | None:
     return None
 
 
-def _mvlgamma_as_lgammas(node: Node, ctx: RuleContext) -> Node | None:
-    """`mvlgamma(x, p)` as its definition, p (p - 1) / 4 log(pi) plus lgamma(x - j / 2) summed
-    over j < p: its gradient is then a sum of digammas the pointwise kernels compute (torch's own
-    formula sums over a new dimension, which they cannot). Eager takes every x, as this does."""
-    if not is_call(node, aten.mvlgamma.default):
-        return None
-    x, p = node.args[0], arg(node, 1, "p")
-    if not isinstance(p, int) or p < 1 or not tensor_val(x).is_floating_point():
-        return None  # eager's own errors
-    total = ctx.call(aten.lgamma.default, x)
-    for j in range(1, p):
-        shifted = ctx.call(aten.sub.Tensor, x, j / 2)
-        total = ctx.call(aten.add.Tensor, total, ctx.call(aten.lgamma.default, shifted))
-    return ctx.call(aten.add.Tensor, total, p * (p - 1) / 4 * math.log(math.pi))
-
-
 def _is_power_of_two(c: float) -> bool:
     mantissa, exponent = math.frexp(abs(c))
     return c != 0 and math.isfinite(c) and mantissa == 0.5 and -126 <= exponent <= 127
@@ -376,7 +360,8 @@ RULES: list[Rule] = [
     Rule("div_by_constant", _div_by_constant),
     Rule("square_as_pow", _square_as_pow),
     Rule("rsqrt_spellings", _rsqrt_spellings),
-    Rule("mvlgamma_as_lgammas", _mvlgamma_as_lgammas),
+    Rule("mvlgamma_as_lgammas", normalize_special.mvlgamma_as_lgammas),
+    Rule("frexp_parts", normalize_special.frexp_parts),
     Rule("bmm_as_matmul", _bmm_as_matmul),
     Rule("einsum_as_matmul", _einsum_as_matmul),
     Rule("math_written_out", normalize_math.written_out),

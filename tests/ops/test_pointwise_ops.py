@@ -2,7 +2,8 @@
 on both paths, against the op run eagerly in float64. The ops are read from torch's own metadata
 (the pointwise tag the fuser reads), their arguments from each op's schema, and each op's inputs
 from where the op is defined: mixed signs where it is defined there, else (0.1, 0.9), else
-(1.1, 3). An op the kernels cannot spell is refused with the reason, and is listed here."""
+(1.1, 3). (`frexp`, with its integer exponent, and `mvlgamma` run as normalize writes them, in
+ops the kernels spell, as a region built from a function is normalized.)"""
 
 import functools
 import math
@@ -11,17 +12,11 @@ import warnings
 import pytest
 import torch
 
-from seqcompile.codegen.pointwise import Unprintable, jit_function
-from seqcompile.ops import pointwise_region as regions
 from seqcompile.patterns.pointwise import region_of_function
 from seqcompile.patterns.pointwise_ops import element_wise
 from tests.ops.test_pointwise import check, run
 
 aten = torch.ops.aten
-UNSPELLED = {"aten.frexp.Tensor"}
-"""Ops with a derivative whose forward or gradient has no Triton spelling: frexp, with its integer
-exponent. (mvlgamma has none either; normalize writes it as its sum of lgammas, which the sweep
-runs, as a region built from a function is normalized.)"""
 _CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
 _DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
 
@@ -119,14 +114,13 @@ def test_the_sweep_covers_the_element_wise_ops_people_write():
     assert len(DIFFERENTIABLE) >= 90
     for name in ("softplus", "ceil", "log1p", "expm1", "atan2", "erfinv", "lerp", "hypot"):
         assert any(key.startswith(f"aten.{name}.") for key in DIFFERENTIABLE), name
-    assert UNSPELLED <= set(DIFFERENTIABLE)
 
 
 SPELLED = [
     pytest.param(name, marks=() if k % 5 == 0 else pytest.mark.slow)
-    for k, name in enumerate(sorted(set(DIFFERENTIABLE) - UNSPELLED))
+    for k, name in enumerate(sorted(DIFFERENTIABLE))
 ]
-"""Every op the kernels spell; a fifth of them in the default run."""
+"""Every op, a fifth of them in the default run."""
 
 
 @pytest.mark.parametrize("name", SPELLED)
@@ -134,22 +128,6 @@ SPELLED = [
 def test_every_element_wise_op_alone(impl, name):
     fn, inputs = DIFFERENTIABLE[name]
     check(*run(fn, [t.detach().float().requires_grad_() for t in inputs]))
-
-
-@pytest.mark.parametrize("name", sorted(UNSPELLED))
-def test_an_op_without_a_spelling_is_refused_with_the_reason(name):
-    fn, inputs = DIFFERENTIABLE[name]
-    stand_ins = [(torch.float32, True)] * len(inputs)
-    with pytest.raises((Unprintable, regions.UnsupportedRegion), match="Triton spelling|tracing"):
-        jit_function(regions.trace(lambda *t: _grads(fn, t), stand_ins), "alone")
-
-
-def _grads(fn, tensors):
-    out = fn(*tensors)
-    outs = out if isinstance(out, tuple) else (out,)
-    floating = [o for o in outs if o.is_floating_point()]
-    grads = torch.autograd.grad(floating, tensors, [torch.ones_like(o) for o in floating])
-    return [*outs, *grads]
 
 
 @pytest.mark.parametrize(
@@ -265,3 +243,39 @@ def test_mvlgamma_at_poles_and_below_its_usual_domain(impl, p):
     """Eager takes every x (below (p - 1) / 2 too, poles inf), and so does its sum of lgammas."""
     x = torch.tensor([[0.6, 0.9, 1.0, 1.7], [2.5, 4.0, 7.3, 30.0]], requires_grad=True)
     check(*run(lambda t: torch.mvlgamma(t, p), [x]))
+
+
+FREXP_VALUES = [0.0, -0.0, 1.0, 0.75, -3.0, 1.5, 2.0, 0.99999994, 4.0000005, 1e30, -1e-30]
+FREXP_VALUES += [math.inf, -math.inf, math.nan, 1e-40, -5e-45, 2**-126, 3.4e38]
+"""Zeros, powers of two and their neighbours (where `log2` rounds across one), the ends of the
+range, subnormals, infinities and NaN."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.kernels("pointwise:forward", "pointwise:backward")
+def test_frexp_gives_torchs_bits_and_gradient(impl, dtype):
+    x = torch.tensor(FREXP_VALUES, dtype=dtype)
+    if dtype == torch.float64:
+        x = torch.cat([x, torch.tensor([5e-324, 1e-310, 1.7e308, 1 - 2**-53], dtype=dtype)])
+    x.requires_grad_()
+    region = region_of_function(torch.frexp, [x])
+    mantissa, exponent = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    expected = torch.frexp(x.detach())
+    checked = torch.ones(len(x), dtype=torch.bool)
+    if impl == "kernels" and dtype == torch.bfloat16:
+        # Triton's interpreter reads bfloat16 subnormals as 0 (float32 and float16 check them)
+        checked = (x == 0) | (x.abs() >= torch.finfo(dtype).tiny)
+    assert exponent.dtype == torch.int32
+    assert torch.equal(exponent[checked], expected.exponent[checked])
+    torch.testing.assert_close(
+        mantissa[checked], expected.mantissa[checked], rtol=0, atol=0, equal_nan=True
+    )
+    cotangent = torch.linspace(-1, 1, len(x), dtype=dtype)
+    (grad,) = torch.autograd.grad(mantissa, x, cotangent)
+    (eager,) = torch.autograd.grad(torch.frexp(x)[0], x, cotangent)
+    # torch computes 2 ** e in float32, an infinity at e >= 128, and gives 0 there
+    same = checked & (expected.exponent < 128)
+    assert not grad.isnan().any()
+    torch.testing.assert_close(grad[same], eager[same], rtol=0, atol=0)
+    divisor = expected.exponent.double().exp2()
+    torch.testing.assert_close(grad[checked], (cotangent / divisor).to(dtype)[checked])
