@@ -6,6 +6,7 @@ from seqcompile.ops import registry
 from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
 from seqcompile.patterns.loss import LossPattern
+from seqcompile.patterns.loss_like import LossLikePattern
 from seqcompile.patterns.norm import NormPattern
 from seqcompile.patterns.row_loss import RowLossPattern
 
@@ -15,4 +16,4 @@ not take these names."""
 
 
 def builtin_patterns() -> list[Pattern]:
-    return [AttentionPattern(), NormPattern(), RowLossPattern(), LossPattern()]
+    return [AttentionPattern(), NormPattern(), RowLossPattern(), LossPattern(), LossLikePattern()]

@@ -381,7 +381,7 @@ def _rewrite(loss: Loss, linear: Linear | None) -> Rewrite:
     return apply
 
 
-def _said_at(ctx: FuseContext, linear: Node) -> bool:
+def said_at(ctx: FuseContext, linear: Node) -> bool:
     """Whether the report already says why the loss over `linear`'s logits is not chunked (the
     row-wise loss, anchored at the linear, speaks for the site)."""
     site = site_name(linear)
@@ -402,7 +402,7 @@ class LossPattern:
         else:
             apart = _linear_up(loss.logits)
         if apart is not None:
-            if not _said_at(ctx, apart[0]):
+            if not said_at(ctx, apart[0]):
                 missed = Missed(site_name(node), linear_cross_entropy.ENTRY.name, apart[1])
                 ctx.report.missed.append(missed)
             linear = None

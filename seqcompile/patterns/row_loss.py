@@ -45,7 +45,7 @@ from seqcompile.patterns.row_loss_split import NotRowWise, Split, split
 aten = torch.ops.aten
 _MAX_REGION = 256
 """Nodes past which a linear's region is taken for the rest of a model, not a loss."""
-_PULLABLE = frozenset(
+PULLABLE = frozenset(
     [*RESHAPES, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
      aten._log_softmax.default, aten.transpose.int, aten.permute.default, aten.t.default,
      aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default]
@@ -59,7 +59,7 @@ _NOT_LOSS = frozenset(
 """Ops that mark a linear's region as more of the model (a loss reads its logits row by row)."""
 
 
-def _region(start: Node) -> tuple[list[Node], Node] | None:
+def region_to_loss(start: Node) -> tuple[list[Node], Node] | None:
     """Every node computed from `start`, in graph order, and the one the graph returns (the loss);
     None where they are not a loss over `start` (too many, a matmul, not one scalar out)."""
     region, frontier = {start}, [start]
@@ -98,7 +98,7 @@ def _pulled(nodes: list[Node], start: Node, gradients: _Gradients) -> list[Node]
         if not all(u in region for u in node.users):
             continue
         linear = loss_family.linear_at(node) is not None
-        if not (linear or is_call(node, *_PULLABLE) or element_wise(node.target)):
+        if not (linear or is_call(node, *PULLABLE) or element_wise(node.target)):
             continue
         region.add(node)
         if not linear:
@@ -337,7 +337,7 @@ class RowLossPattern:
 
     def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
         linear = loss_family.linear_at(node)
-        found = _region(node) if linear is not None else None
+        found = region_to_loss(node) if linear is not None else None
         if found is None:
             return None
         nodes, loss = found
