@@ -1,10 +1,10 @@
 """Sample inputs of `seqfast::linear_row_loss`: programs read from losses written as plain
 functions of the logits (cross-entropy with a z-loss, soft-capped logits, masked classes, KL and
-JSD against a teacher's logits); rows 0, 1 and odd, chunks that do not divide the rows, every
-target ignored, and a NaN in the hidden states. The answer is the program's row math over all the
-logits at once, differentiated by autograd: what the chunks, the traced gradient and the loss's
-weights must reproduce. (That the program is the function it was read from is the loss pattern's
-tests' to show, against the functions run eagerly.)"""
+JSD against a teacher's logits); rows 0, 1 and odd, classes 0 and 1, chunks that do not divide
+the rows, every target ignored, and a NaN in the hidden states. The answer is the program's row
+math over all the logits at once, differentiated by autograd: what the chunks, the traced
+gradient and the loss's weights must reproduce. (That the program is the function it was read
+from is the loss pattern's tests' to show, against the functions run eagerly.)"""
 
 from __future__ import annotations
 
@@ -57,21 +57,21 @@ def jsd_to_teacher(logits: Tensor, teacher: Tensor) -> Tensor:
     return 0.5 * (kl_p + kl_q) / logits.shape[0]
 
 
-def _targets(g, rows: int) -> Tensor:
-    target = torch.randint(0, CLASSES, (rows,), generator=g)
+def _targets(g, rows: int, classes: int) -> Tensor:
+    target = torch.randint(0, max(classes, 1), (rows,), generator=g)
     target[1:4:2] = IGNORE
     return target
 
 
-def _others(name: str, g, rows: int) -> list[Tensor]:
+def _others(name: str, g, rows: int, classes: int) -> list[Tensor]:
     if name in ("kl", "jsd"):
-        return [randn(g, rows, CLASSES, scale=2.0)]
+        return [randn(g, rows, classes, scale=2.0)]
     if name == "masked":
-        allowed = torch.rand(CLASSES, generator=g) > 0.3
-        target = _targets(g, rows)
+        allowed = torch.rand(classes, generator=g) > 0.3
+        target = _targets(g, rows, classes)
         target[target >= 0] = allowed.nonzero()[0, 0]  # an allowed class
         return [target, allowed]
-    return [_targets(g, rows)]
+    return [_targets(g, rows, classes)]
 
 
 FUNCTIONS: dict[str, Callable[..., Tensor]] = {
@@ -95,16 +95,19 @@ def _eager(program_key: str):
     return eager
 
 
-def _sample(name: str, fn_name: str, g, rows: int = ROWS, chunk: int = 3, edit=None) -> Sample:
+def _sample(
+    name: str, fn_name: str, g, rows: int = ROWS, classes: int = CLASSES, chunk: int = 3, edit=None
+) -> Sample:
     from seqcompile.patterns.row_loss import program_of_function  # (patterns import ops)
 
     fn = FUNCTIONS[fn_name]
-    hidden, weight = randn(g, rows, FEATURES), randn(g, CLASSES, FEATURES, scale=0.5)
-    bias = randn(g, CLASSES)
-    others = _others(fn_name, g, rows)
+    hidden, weight = randn(g, rows, FEATURES), randn(g, classes, FEATURES, scale=0.5)
+    bias = randn(g, classes)
+    others = _others(fn_name, g, rows, classes)
     if edit is not None:
         edit(hidden, others)
-    program, row_inputs, consts, post = program_of_function(fn, torch.zeros(rows, CLASSES), others)
+    logits = torch.zeros(rows, classes)
+    program, row_inputs, consts, post = program_of_function(fn, logits, others)
     args = dict(
         hidden=hidden, weight=weight, bias=bias, rows=row_inputs, consts=consts, post=post,
         program=program.key, chunk=chunk, compute_dtype=torch.float32,
@@ -129,5 +132,7 @@ def samples() -> Iterator[Sample]:
     yield _sample("z-loss-one-chunk", "z-loss", g, chunk=0)
     yield _sample("kl-rows1", "kl", g, rows=1)
     yield _sample("z-loss-rows0", "z-loss", g, rows=0)
+    yield _sample("z-loss-classes1", "z-loss", g, classes=1)
+    yield _sample("kl-classes0", "kl", g, classes=0)
     yield _sample("z-loss-all-ignored", "z-loss", g, edit=_all_ignored)
     yield _sample("soft-cap-nan-hidden", "soft-cap", g, edit=_nan_row)
