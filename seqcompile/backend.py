@@ -338,14 +338,50 @@ def seqfast(
         compiled, state, fused = _compile(gm, example_inputs, opts, name=name)
     except capture_mod.Uncompilable as reason:
         return _as_captured(gm, str(reason), name)
+    except Exception as error:  # on a tensor subclass the stages do not know, never a crash
+        subclass = capture_mod.subclass_in(gm, example_inputs)
+        if subclass is None:
+            raise
+        return _as_captured(gm, f"it holds a {subclass}, on which {_first_line(error)}", name)
     if opts.verify:
         compiled = _verify(gm, opts, compiled, state, fused)
+    subclass = capture_mod.subclass_in(gm, example_inputs)
+    if subclass is not None:
+        compiled = _captured_if_first_call_fails(compiled, gm, name, subclass)
     _release(state)
     state.report.graphs.append(state.name)
     state.dump.report(state.report)
     publish(state.report)
     log.info("%s compiled:\n%s", state.name, state.report)
     return compiled
+
+
+def _captured_if_first_call_fails(
+    compiled: Callable[..., Any], gm: GraphModule, name: str, subclass: str
+) -> Callable[..., Any]:
+    """`compiled`, unless its first call raises: then that call and every later one run the graph
+    as Dynamo captured it, said as `_as_captured` says it (AOTAutograd's runtime meets some
+    tensor subclass graphs only there, where every rank fails alike)."""
+    chosen: list[Callable[..., Any]] = []
+
+    def run(*args: Any) -> Any:
+        if chosen:
+            return chosen[0](*args)
+        try:
+            result = compiled(*args)
+        except Exception as error:
+            reason = f"it holds a {subclass}, on which its first call raised {_first_line(error)}"
+            chosen.append(_as_captured(gm, reason, name))
+            return chosen[0](*args)
+        chosen.append(compiled)
+        return result
+
+    return run
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _as_captured(gm: GraphModule, reason: str, name: str) -> Callable[..., Any]:

@@ -7,11 +7,18 @@ for recomputation (`meta["recompute"]`, `meta["ac_graph_id"]`, as torch tags the
 fuse inside them and the partitioner recomputes them in the backward. A custom
 `torch.autograd.Function` stays one opaque node: its backward is the user's, so nothing inside it
 may be fused or differentiated another way (inlined, its forward would run without grad and its
-parameters would get no gradient)."""
+parameters would get no gradient).
+
+Ops on DTensors (tensor parallelism's sharded weights and activations) are kept as nodes of their
+own, recorded untraced, DTensor's conversions (`from_local`, `redistribute`, `to_local`,
+`full_tensor`) among them: AOTAutograd later runs them through DTensor's own dispatch, and the
+families fuse the computation on local tensors between them. The report says how many there
+are; the fused operators have no sharding rules, so nothing on a DTensor is fused."""
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,14 +69,19 @@ def trace_pre_dispatch(
 
     notes: list[Missed] = []
     regions = itertools.count(1)
+    on_dtensors: Counter[str] = Counter()
 
     def run(*args: Any) -> Any:
-        return _CaptureInterpreter(gm, regions, notes).run(*args)
+        return _CaptureInterpreter(gm, regions, notes, on_dtensors).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(run, pre_dispatch=True)(*inputs)
     _drop_grad_mode_round_trips(traced)
     autocast.make_autocast_explicit(traced, fake_mode)
+    if on_dtensors:
+        ops = ", ".join(f"{name} ({n})" for name, n in sorted(on_dtensors.items()))
+        reason = f"ops on DTensors run as DTensor dispatches them, not fused: {ops}"
+        notes.append(Missed("graph", "dtensor", reason))
     traced.meta["capture_notes"] = notes
     return traced
 
@@ -85,12 +97,28 @@ class _CaptureInterpreter(torch.fx.Interpreter):
     record autocast's dtypes (replaying `_enter_autocast` under pre-dispatch tracing only
     records it), and with checkpoint regions run inline, their nodes tagged for recomputation."""
 
-    def __init__(self, gm: GraphModule, regions: Iterator[int], notes: list[Missed]) -> None:
+    def __init__(
+        self,
+        gm: GraphModule,
+        regions: Iterator[int],
+        notes: list[Missed],
+        on_dtensors: Counter[str],
+    ) -> None:
         super().__init__(gm)
-        self.regions, self.notes = regions, notes
+        self.regions, self.notes, self.on_dtensors = regions, notes, on_dtensors
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
+        if (
+            n.op in ("call_function", "call_method")
+            and n.target is not CHECKPOINT
+            and _on_dtensors(n)
+        ):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            self.on_dtensors[n.target if n.op == "call_method" else _name(n.target)] += 1
+            if n.op == "call_method":
+                return _record_opaque(dtensor_method, (n.target, *args), kwargs)
+            return _record_opaque(n.target, args, kwargs)
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -101,7 +129,9 @@ class _CaptureInterpreter(torch.fx.Interpreter):
         if target is CHECKPOINT:
             body, *operands = args
             self._tag(body)
-            return _CaptureInterpreter(body, self.regions, self.notes).run(*operands)
+            return _CaptureInterpreter(body, self.regions, self.notes, self.on_dtensors).run(
+                *operands
+            )
         if target is DATA:
             return args[0].detach()  # traced, not a constant baked from the traced value
         if target is AUTOGRAD_FUNCTION:
@@ -141,6 +171,37 @@ class _CaptureInterpreter(torch.fx.Interpreter):
             if node.op in ("call_function", "call_method", "call_module"):
                 node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 node.meta["ac_graph_id"] = region
+
+
+def _on_dtensors(node: torch.fx.Node) -> bool:
+    """Whether `node` reads or returns a DTensor (by Dynamo's example values)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    values = [node.meta.get("example_value")]
+    values += [a.meta.get("example_value") for a in node.all_input_nodes]
+    return any(isinstance(v, DTensor) for v in pytree.tree_leaves(values))
+
+
+def subclass_in(gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:
+    """The name of a tensor subclass (DTensor, a quantized or nested tensor, ...) among the
+    graph's inputs or the values Dynamo recorded for its nodes (None: it holds none)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    values = [*example_inputs, *(n.meta.get("example_value") for n in gm.graph.nodes)]
+    found = next((v for v in pytree.tree_leaves(values) if is_traceable_wrapper_subclass(v)), None)
+    return None if found is None else type(found).__name__
+
+
+def dtensor_method(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+    """`value.name(*args, **kwargs)`: a method call on a DTensor (`redistribute`, `to_local`) as
+    the function a graph node calls."""
+    return getattr(value, name)(*args, **kwargs)
+
+
+def _name(target: Any) -> str:
+    return getattr(target, "__name__", str(target))
 
 
 def _drop_grad_mode_round_trips(gm: GraphModule) -> None:
