@@ -5,7 +5,8 @@ the loss and every gathered gradient match the same parallel setup under `backen
 graph on a tensor subclass the stages fail on runs as Dynamo captured it, with a warning and the
 reason in the report, never a crash.
 
-Also FSDP2 over tensor parallelism on a (2, 2) mesh. One rank in-process in the default run; two
+Also FSDP2 over tensor parallelism on a (2, 2) mesh, and dropout: fused on a replicated local
+tensor with the same mask on every rank, drawn by DTensor (as eagerly) on a sharded DTensor. One rank in-process in the default run; two
 (four for the 2-D mesh) gloo processes in the slow tier."""
 
 import contextlib
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -303,3 +304,53 @@ def test_two_ranks_match_eager(name, kernels):
             nprocs=ranks,
             join=True,
         )
+
+
+class Dropped(nn.Module):
+    """A row-wise linear, then dropout: on the replicated output as a plain tensor, or on its
+    sequence shards as a DTensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        y = F.dropout(self.w(x), 0.5, True)
+        return (y.to_local() if isinstance(y, DTensor) else y) * 3
+
+
+def _dropout_mask(mesh, sharded, compile_backend):
+    torch.manual_seed(0)  # every rank draws the same numbers, as tensor parallelism needs
+    model = Dropped()
+    style = RowwiseParallel(
+        input_layouts=Replicate(),
+        output_layouts=Shard(1) if sharded else Replicate(),
+        use_local_output=not sharded,
+    )
+    parallelize_module(model, mesh, {"w": style})
+    return torch.compile(model, backend=compile_backend)(torch.ones(BATCH, LENGTH, WIDTH)) != 0
+
+
+def _dropout_worker(rank, store, sharded):
+    torch.set_num_threads(1)
+    with process_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        with collecting() as report:
+            kept = _dropout_mask(mesh, sharded, "seqfast")
+        assert 0.3 < kept.float().mean() < 0.7
+        if sharded:  # a DTensor's dropout: DTensor draws it, as eagerly (its generator decides
+            # whether shards differ: on CUDA they do, on CPU each rank draws as a tensor does)
+            assert report.counts["pointwise"] == 0, str(report)
+            assert torch.equal(kept, _dropout_mask(mesh, sharded, "eager"))
+        else:  # fused, the same mask on every rank, or the ranks' copies would drift apart
+            assert report.counts["pointwise"] == 1, str(report)
+            gathered = [torch.empty_like(kept) for _ in range(2)]
+            dist.all_gather(gathered, kept)
+            assert torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sequence-sharded"])
+def test_dropout_masks_agree_where_replicated_and_are_dtensors_where_sharded(sharded):
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_dropout_worker, args=(f"{folder}/store", sharded), nprocs=2, join=True)
