@@ -5,9 +5,11 @@ the loss and every gathered gradient match the same parallel setup under `backen
 graph on a tensor subclass the stages fail on runs as Dynamo captured it, with a warning and the
 reason in the report, never a crash.
 
-Also FSDP2 over tensor parallelism on a (2, 2) mesh, and dropout: fused on a replicated local
-tensor with the same mask on every rank, drawn by DTensor (as eagerly) on a sharded DTensor. One rank in-process in the default run; two
-(four for the 2-D mesh) gloo processes in the slow tier."""
+Also cross-entropy over logits sharded along the vocabulary under `loss_parallel` (DTensor's,
+with its distributed reduction), FSDP2 over tensor parallelism on a (2, 2) mesh, and dropout:
+fused on a replicated local tensor with the same mask on every rank, drawn by DTensor (as
+eagerly) on a sharded DTensor. One rank in-process in the default run; two (four for the 2-D
+mesh) gloo processes in the slow tier."""
 
 import contextlib
 import math
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.testing._internal.two_tensor import TwoTensor
@@ -101,10 +104,11 @@ class Model(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
 
 
-def parallelized(mesh, rms=False, sequence_parallel=False, checkpointed=False):
+def parallelized(mesh, rms=False, sequence_parallel=False, checkpointed=False, vocab=False):
     """The model sharded with the usual plan: q, k, v and the MLP's first linears column-wise,
     the output projections row-wise; with sequence parallelism, the norms over shards of the
-    sequence, the embedding's output and the head's input sharded along it too."""
+    sequence, the embedding's output and the head's input sharded along it too; with `vocab`,
+    the head column-wise, its logits left sharded along the vocabulary for `loss_parallel`."""
     torch.manual_seed(0)
     model = Model(rms, checkpointed)
     between = Shard(1) if sequence_parallel else Replicate()
@@ -134,6 +138,9 @@ def parallelized(mesh, rms=False, sequence_parallel=False, checkpointed=False):
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         })  # fmt: skip
+    if vocab:
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(model, mesh, {"head": head})
     return model
 
 
@@ -145,15 +152,21 @@ def batch():
 
 
 def step(model, compile_backend, per_block=False):
-    """The loss and every parameter's gradient, gathered whole."""
+    """The loss and every parameter's gradient, gathered whole (the loss under `loss_parallel`
+    where the head leaves its logits sharded along the vocabulary)."""
     if per_block:
         for block in model.blocks:
             block.compile(backend=compile_backend)
         run = model
     else:
         run = torch.compile(model, backend=compile_backend)
-    loss = run(*batch())
-    loss.backward()
+    vocab_sharded = isinstance(model.head.weight, DTensor) and not isinstance(
+        model.head.weight.placements[0], Replicate
+    )
+    with loss_parallel() if vocab_sharded else contextlib.nullcontext():
+        loss = run(*batch())
+        loss.backward()
+    loss = getattr(loss, "full_tensor", lambda: loss)()
     grads = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in model.parameters()]
     return loss.detach(), grads
 
@@ -285,6 +298,9 @@ SETUPS = {
     "sequence-parallel": (
         {"sequence_parallel": True}, {"norm": 0, "attention": LAYERS, "loss": 1},
         ["layer_norm (5)"],
+    ),
+    "loss-parallel": (
+        {"vocab": True}, {"norm": NORMS, "attention": LAYERS, "loss": 0}, ["cross_entropy (1)"]
     ),
     # FSDP2's hooks end a graph at each block: one block's graph, reused
     "fsdp2-tp": ({"fsdp": True, "mesh": (2, 2)}, {"norm": 2, "attention": 1}, [KEPT]),
