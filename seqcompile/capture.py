@@ -18,6 +18,7 @@ are; the fused operators have no sharding rules, so nothing on a DTensor is fuse
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -174,14 +175,14 @@ class _CaptureInterpreter(torch.fx.Interpreter):
 
 
 def _on_dtensors(node: torch.fx.Node) -> bool:
-    """Whether `node` reads or returns a DTensor (by Dynamo's example values)."""
-    if not torch.distributed.is_available():
+    """Whether `node` reads or returns a DTensor (by Dynamo's example values). Where the DTensor
+    module was never imported there is none, and it is not imported here."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
         return False
-    from torch.distributed.tensor import DTensor
-
     values = [node.meta.get("example_value")]
     values += [a.meta.get("example_value") for a in node.all_input_nodes]
-    return any(isinstance(v, DTensor) for v in pytree.tree_leaves(values))
+    return any(isinstance(v, module.DTensor) for v in pytree.tree_leaves(values))
 
 
 def subclass_in(gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:
