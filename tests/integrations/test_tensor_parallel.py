@@ -227,6 +227,7 @@ def test_the_local_computation_between_dtensor_ops_fuses(one_rank_mesh):
     assert "linear (12)" in kept and "redistribute" in kept and "to_local" in kept
 
 
+@pytest.mark.slow
 def test_dtensor_ops_inside_checkpointed_blocks_are_kept_too(one_rank_mesh):
     check_against_eager(
         one_rank_mesh, {"norm": 2 * LAYERS + 1, "attention": LAYERS, "loss": 1}, [KEPT],

@@ -251,7 +251,12 @@ FREXP_VALUES += [math.inf, -math.inf, math.nan, 1e-40, -5e-45, 2**-126, 3.4e38]
 range, subnormals, infinities and NaN."""
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64]
+    + [pytest.param(d, marks=pytest.mark.slow) for d in (torch.float16, torch.bfloat16)],
+    ids=str,
+)
 @pytest.mark.kernels("pointwise:forward", "pointwise:backward")
 def test_frexp_gives_torchs_bits_and_gradient(impl, dtype):
     x = torch.tensor(FREXP_VALUES, dtype=dtype)
