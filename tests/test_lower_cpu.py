@@ -52,6 +52,7 @@ def _step(monkeypatch, rest: str | None):
     return loss.detach(), [p.grad for p in model.parameters()], given
 
 
+@pytest.mark.slow  # an Inductor compile of a step, forward and backward
 def test_inductor_gets_the_lowerings_and_computes_what_the_opaque_calls_compute(monkeypatch):
     loss, grads, given = _step(monkeypatch, "inductor")
     assert len(given) >= 2, "a forward and a backward"
@@ -75,6 +76,7 @@ def test_the_eager_executor_runs_the_fused_calls(monkeypatch):
     assert not given and torch.isfinite(loss)
 
 
+@pytest.mark.slow  # an Inductor compile of a step, forward and backward
 def test_by_default_inductor_gets_the_rest_unless_it_finds_no_compiler(monkeypatch, caplog):
     monkeypatch.delenv("SEQFAST_REST")
     _, _, given = _step(monkeypatch, None)
