@@ -23,10 +23,11 @@ from seqcompile.ops.registry import FAMILIES
 from seqcompile.report import collecting
 
 ALL_SEEDS = range(200)
-DEFAULT_SEEDS = (*range(10), 23, 24, 38, 39)
-"""The first ten seeds, and the first seeds after them to draw the generators those miss (a mask
-filled as `where(m, 0, fill)`, 23, or as `(1 - m) * fill`, 38; a boolean mask and a prefix-LM
-mask, 24; a product of masks, 39). The slow tier runs every other seed."""
+DEFAULT_SEEDS = (*range(1, 10), 24, 38, 39)
+"""Seeds 1 to 9, and the first seeds after them to draw the generators those miss (a boolean and
+a prefix-LM mask, a mask filled as `where(m, 0, fill)`, 24; one filled as `(1 - m) * fill`, 38;
+a product of masks, 39). Seed 0, the slowest of the first ten, draws nothing these miss. The slow
+tier runs every other seed."""
 SLOW_SEEDS = tuple(seed for seed in ALL_SEEDS if seed not in DEFAULT_SEEDS)
 
 

@@ -366,8 +366,9 @@ def packed(lengths_per_row, length):
 
 
 @pytest.mark.parametrize(
-    "causal, window, shuffled", [(True, 0, False), (False, 0, False), (True, 9, False),
-                                 (False, 0, True)],
+    "causal, window, shuffled",
+    [pytest.param(True, 0, False, marks=pytest.mark.slow),  # the window's case covers it
+     (False, 0, False), (True, 9, False), (False, 0, True)],
 )  # fmt: skip
 def test_packed_documents(impl, causal, window, shuffled):
     """Three documents in one row, two in the other, at lengths that do not divide the blocks;
@@ -460,7 +461,9 @@ def test_other_element_wise_modifications(impl, modify):
 # grouped-query heads and broadcast layouts
 
 
-@pytest.mark.parametrize("kv_heads,causal", [(2, False), (1, False), (2, True)])
+@pytest.mark.parametrize(
+    "kv_heads,causal", [pytest.param(2, False, marks=pytest.mark.slow), (1, False), (2, True)]
+)
 def test_grouped_query_heads(impl, kv_heads, causal):
     """Four query heads share 2 or 1 key/value heads: dk and dv sum over the sharing heads."""
     g = torch.Generator().manual_seed(6)
@@ -762,7 +765,9 @@ def test_relative_bias_of_the_wrong_length_is_refused():
 
 
 @pytest.mark.parametrize(
-    "prefix", [[[0]], [[9]], [[45]], [[20], [3]]], ids=["empty", "short", "all", "per-batch"]
+    "prefix",
+    [[[0]], pytest.param([[9]], marks=pytest.mark.slow), [[45]], [[20], [3]]],
+    ids=["empty", "short", "all", "per-batch"],
 )
 def test_prefix_lm(impl, prefix):
     """Keys before the prefix's length are seen by every query, the rest causally; lengths
