@@ -37,7 +37,7 @@ from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_configs as configs
 from seqcompile.ops import attention_reference as reference
-from seqcompile.ops import samples_attention, score_mods
+from seqcompile.ops import samples_attention, score_mods, sharding_rules
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.run import runtime, tuning
@@ -625,6 +625,10 @@ ENTRY = FusedOp(
     kernels={
         torch.ops.seqfast.attention.default: forward_kernels_of,
         torch.ops.seqfast.attention_backward.default: backward_kernels_of,
+    },
+    sharding={
+        torch.ops.seqfast.attention.default: sharding_rules.attention_forward,
+        torch.ops.seqfast.attention_backward.default: sharding_rules.attention_backward,
     },
     saves="q, k, v, the output, two per-row statistics (row max, log-sum) and the biases and mask"
     " as given, never the probabilities; the dropout mask is regenerated from the seed",

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
-from seqcompile.ops import samples_loss
+from seqcompile.ops import samples_loss, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, InPlace, gradients, named, needs_grad
 from seqcompile.run import runtime
 
@@ -306,6 +306,14 @@ ENTRY = FusedOp(
         torch.ops.seqfast.cross_entropy_backward_in_place.default: lambda call: [
             spec("backward", call["smoothing"])
         ],
+    },
+    sharding={
+        op: sharding_rules.rows_everywhere("logits")
+        for op in (
+            torch.ops.seqfast.cross_entropy.default,
+            torch.ops.seqfast.cross_entropy_backward.default,
+            torch.ops.seqfast.cross_entropy_backward_in_place.default,
+        )
     },
     saves="the logits, the targets and each row's log-sum-exp, never the probabilities",
     in_place=InPlace(

@@ -200,6 +200,11 @@ class FusedOp:
     workspace: Mapping[OpOverload, Callable[[Call], int]] = dataclasses.field(default_factory=dict)
     """For an op that allocates temporaries: the bytes a call of it allocates and frees while it
     runs, beyond its outputs."""
+    sharding: Mapping[OpOverload, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    """For each of its ops: its sharding rule on DTensors, `rule(call, output_shapes)` to the
+    placements it computes correctly along one mesh dimension (`ops/sharding.py`); the
+    replicated placement is always offered besides. `tests/ops/test_sharding.py` runs every
+    placement a rule offers on every sample, on simulated ranks."""
     in_place: InPlace | None = None
     accumulate: Callable[..., bool] | None = None
     """`accumulate(graph, buffer, call, output)`: add output `output` of the backward `call`

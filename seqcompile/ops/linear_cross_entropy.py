@@ -22,7 +22,7 @@ import torch
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import cross_entropy as ce
 from seqcompile.ops import linear_head as head
-from seqcompile.ops import samples_loss
+from seqcompile.ops import samples_loss, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp
 
 Tensor = torch.Tensor
@@ -159,6 +159,10 @@ ENTRY = FusedOp(
     kernels={
         FORWARD: lambda call: [ce.spec("forward_grad", call["smoothing"])],
         BACKWARD: lambda call: [],
+    },
+    sharding={
+        FORWARD: sharding_rules.linear_loss_forward,
+        BACKWARD: sharding_rules.linear_loss_backward,
     },
     saves=head.SAVES,
     flops={FORWARD: head.flops},

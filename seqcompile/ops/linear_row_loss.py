@@ -26,7 +26,7 @@ import torch
 
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import linear_head as head
-from seqcompile.ops import row_loss, samples_row_loss
+from seqcompile.ops import row_loss, samples_row_loss, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp
 
 Tensor = torch.Tensor
@@ -148,6 +148,10 @@ ENTRY = FusedOp(
     reference=linear_row_loss,
     lowering={FORWARD: lower_forward, BACKWARD: head.scaled},
     kernels={FORWARD: lambda call: [], BACKWARD: lambda call: []},
+    sharding={
+        FORWARD: sharding_rules.replicated_only,
+        BACKWARD: sharding_rules.linear_loss_backward,
+    },
     saves=head.SAVES,
     flops={FORWARD: head.flops},
     workspace={FORWARD: workspace_bytes},

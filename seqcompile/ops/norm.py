@@ -23,7 +23,7 @@ import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import norm_reference as reference
-from seqcompile.ops import samples_norm
+from seqcompile.ops import samples_norm, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named
 from seqcompile.run import runtime, tuning
 from seqcompile.run.tuning import Config
@@ -403,6 +403,10 @@ ENTRY = FusedOp(
     kernels={
         torch.ops.seqfast.add_norm.default: forward_kernels_of,
         torch.ops.seqfast.add_norm_backward.default: backward_kernels_of,
+    },
+    sharding={
+        torch.ops.seqfast.add_norm.default: sharding_rules.norm_forward,
+        torch.ops.seqfast.add_norm_backward.default: sharding_rules.norm_backward,
     },
     saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
     " mask is regenerated from the seed",

@@ -22,7 +22,7 @@ from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
-from seqcompile.ops import samples_pointwise
+from seqcompile.ops import samples_pointwise, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.ops.random import keep_mask
 from seqcompile.run import runtime
@@ -424,6 +424,10 @@ ENTRY = FusedOp(
     kernels={
         torch.ops.seqfast.pointwise.default: forward_kernels_of,
         torch.ops.seqfast.pointwise_backward.default: backward_kernels_of,
+    },
+    sharding={
+        torch.ops.seqfast.pointwise.default: sharding_rules.pointwise_forward,
+        torch.ops.seqfast.pointwise_backward.default: sharding_rules.pointwise_backward,
     },
     saves="the inputs its derived backward reads (and the seed), never an intermediate or a mask",
     label=lambda call: regions.lookup(call["region"]).name,

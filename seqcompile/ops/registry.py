@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.fx import Node
 
 from seqcompile.codegen import KernelSpec
@@ -17,6 +18,7 @@ from seqcompile.ops import (
     linear_row_loss,
     norm,
     pointwise,
+    sharding,
     soft_cross_entropy,
 )
 from seqcompile.ops.fused_op import Call, FusedOp
@@ -31,6 +33,8 @@ ENTRIES: tuple[FusedOp, ...] = (
     pointwise.ENTRY,
 )
 _BY_OP = {op: entry for entry in ENTRIES for op in entry.ops}
+if torch.distributed.is_available():
+    sharding.register({op: rule for entry in ENTRIES for op, rule in entry.sharding.items()})
 _BY_NAME = {entry.name: entry for entry in ENTRIES}
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(entry.family for entry in ENTRIES))
 """The built-in pattern families, in the registry's order: the report's keys for their sites."""

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
-from seqcompile.ops import samples_loss
+from seqcompile.ops import samples_loss, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.run import runtime
 
@@ -203,6 +203,10 @@ ENTRY = FusedOp(
         torch.ops.seqfast.soft_cross_entropy_backward.default: lambda call: [
             spec("backward", call["target_grad"])
         ],
+    },
+    sharding={
+        op: sharding_rules.rows_everywhere("logits")
+        for op in (OP, torch.ops.seqfast.soft_cross_entropy_backward.default)
     },
     saves="the logits, the targets and each row's log-sum-exp and target mass, never the"
     " probabilities",

@@ -1,0 +1,166 @@
+"""Sharding rules of the fused operators, so a fused op called on DTensors (tensor and sequence
+parallelism) runs on each rank's local tensors instead of failing for want of a rule.
+
+Each entry declares, per op (forward, backward, in-place twin), a rule (`FusedOp.sharding`): a
+function of the call (its tensor arguments as DTensor's specs, read by schema name, with `.shape`)
+and of its outputs' shapes to the `Strategy`s the op computes correctly along one mesh dimension:
+where each output lies (`Shard(d)`, `Replicate()`, or `Partial()` for a sum over the shards) for
+given placements of its tensor arguments. Every op also takes the replicated strategy (each rank
+computes the whole op), which is always right; DTensor expands the strategies to every dimension
+of the mesh and picks the cheapest for the placements it was given, redistributing where none
+matches. `register` hands the rules to DTensor's sharding propagator at import.
+
+A rule offers what holds on every shard: rows (batch, sequence) for norms, regions and the losses;
+batch and heads for attention; never the dimension an op reduces over; never a dropout draw,
+whose seed each shard would repeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from seqcompile.ops.fused_op import Call
+
+OpOverload = torch._ops.OpOverload
+Shape = tuple[int, ...]
+
+try:  # a torch built without distributed support has no DTensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Placement
+except ImportError:  # pragma: no cover
+    Placement = Any  # type: ignore[misc,assignment]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Placements of one op call's outputs (in the schema's order, one per tensor of a list)
+    and of its tensor arguments by name (a list argument takes one per tensor). A tensor
+    argument not named is replicated."""
+
+    outputs: Sequence[Placement]
+    inputs: Mapping[str, Placement | Sequence[Placement]] = dataclasses.field(default_factory=dict)
+
+
+Rule = Callable[[Call, Sequence[Shape]], Iterable[Strategy]]
+"""`rule(call, output_shapes)`: the strategies beyond replicating everything."""
+
+
+def placed(shape: Shape | None, placement: Placement) -> Placement:
+    """`placement` for an output of shape `shape`, or `Replicate()` for an empty placeholder (an
+    output of shape (0,), which the op returns where it has nothing to give)."""
+    return Replicate() if shape is None or tuple(shape) == (0,) else placement
+
+
+def along(shape: Shape, full: Shape, dim: int, *, reduced: bool = False) -> Placement:
+    """Where a tensor of `shape` that broadcasts against `full` lies when `full` is sharded along
+    `dim`: sharded along its own matching dimension, or, where it is broadcast along `dim`,
+    replicated (as an input) or partial (`reduced`: a gradient summed over the broadcast)."""
+    if tuple(shape) == (0,):
+        return Replicate()
+    own = dim - (len(full) - len(shape))
+    if own >= 0 and shape[own] == full[dim]:
+        return Shard(own)
+    return Partial() if reduced else Replicate()
+
+
+def dropout(call: Call) -> bool:
+    """Whether the call draws a dropout mask: its seed is the same on every shard, so shards would
+    repeat each other's draws."""
+    return call["seed"] is not None and call["p"] > 0
+
+
+def shape_of(spec: Any) -> Shape:
+    return tuple(spec.shape)
+
+
+def register(rules: Mapping[OpOverload, Rule]) -> None:
+    """Register each op's rule with DTensor's sharding propagator (every argument of the call is
+    part of the key it caches a decision under)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for op, rule in rules.items():
+        info = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
+        propagator.register_op_strategy(op, functools.partial(_strategies, op, rule), info)
+
+
+def _strategies(op: OpOverload, rule: Rule, op_schema: Any) -> Any:
+    """DTensor's strategy function for `op`: the rule's strategies and the replicated one, over
+    every mesh dimension."""
+    from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    def spec(item: Any) -> Any:
+        if isinstance(item, OpStrategy):
+            return item.strategies[0].output_spec
+        if isinstance(item, TupleStrategy):
+            return [spec(child) for child in item.children]
+        return item
+
+    call = Call(op, tuple(spec(a) for a in op_schema.args_schema),
+                {k: spec(v) for k, v in op_schema.kwargs_schema.items()})  # fmt: skip
+    shapes = _output_shapes(op, call)
+    replicated = Strategy([Replicate()] * len(shapes))
+    rows = [_placement_list(call, s, len(shapes)) for s in (replicated, *rule(call, shapes))]
+    found = expand_to_full_mesh_op_strategy(
+        op_schema.get_mesh_from_args(), op_schema, rows, input_index=len(shapes)
+    )
+    if _returns_list(op):  # DTensor wraps a list by a tuple of specs, even a list of one
+        for option in found.strategies:
+            if not isinstance(option.output_specs, tuple):
+                option.output_specs = (option.output_specs,)
+    return found
+
+
+def _placement_list(call: Call, strategy: Strategy, outputs: int) -> list[Placement | None]:
+    """The strategy as DTensor lists it: each output's placement, then each tensor argument's in
+    the schema's order (a list argument's flattened)."""
+    if len(strategy.outputs) != outputs:
+        placed = len(strategy.outputs)
+        raise ValueError(f"{call.op}: a strategy places {placed} of its {outputs} outputs")
+    row: list[Placement | None] = list(strategy.outputs)
+    for name in call:
+        value, given = call[name], strategy.inputs.get(name)
+        if isinstance(value, list | tuple):
+            tensors = [v for v in value if is_spec(v)]
+            row += list(given) if given is not None else [Replicate()] * len(tensors)
+        elif is_spec(value):
+            row.append(given if given is not None else Replicate())
+    return row
+
+
+def is_spec(value: Any) -> bool:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return isinstance(value, DTensorSpec)
+
+
+def _returns_list(op: OpOverload) -> bool:
+    returns = op._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
+
+
+def _output_shapes(op: OpOverload, call: Call) -> list[Shape]:
+    """The global shape of each tensor the call returns, from the op's fake implementation."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    def fake(value: Any) -> Any:
+        if not is_spec(value):
+            return value
+        meta = value.tensor_meta
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+
+    mode = detect_fake_mode() or FakeTensorMode()
+    with mode, disable_proxy_modes_tracing():
+        arguments = pytree.tree_map(fake, call.arguments(), is_leaf=is_spec)
+        result = op(*arguments)
+    return [tuple(t.shape) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
