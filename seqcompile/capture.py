@@ -9,16 +9,17 @@ fuse inside them and the partitioner recomputes them in the backward. A custom
 may be fused or differentiated another way (inlined, its forward would run without grad and its
 parameters would get no gradient).
 
-Ops on DTensors (tensor parallelism's sharded weights and activations) are kept as nodes of their
-own, recorded untraced, DTensor's conversions (`from_local`, `redistribute`, `to_local`,
-`full_tensor`) among them: AOTAutograd later runs them through DTensor's own dispatch, and the
-families fuse the computation on local tensors between them. The report says how many there
-are; the fused operators have no sharding rules, so nothing on a DTensor is fused."""
+Ops on DTensors (tensor parallelism's sharded weights and activations) are traced as any op is,
+their nodes holding DTensor fake values, so the families fuse them too: a fused op on DTensors runs
+on the shards by its sharding rule (`ops/sharding.py`), and a pattern refuses placements the rule
+does not take. DTensor's conversions (`from_local`, `redistribute`, `to_local`, `full_tensor`),
+which do not trace at pre-dispatch, are kept as nodes of their own, recorded untraced, as is an
+op on DTensors whose trace fails: AOTAutograd later runs them through DTensor's own dispatch. The
+report says how many are kept so."""
 
 from __future__ import annotations
 
 import itertools
-import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from seqcompile import autocast, custom_function
 from seqcompile.custom_function import AUTOGRAD_FUNCTION, has_one_output
-from seqcompile.fx_utils import grad_enabled_at, site_name
+from seqcompile.fx_utils import grad_enabled_at, is_dtensor, site_name
 from seqcompile.report import Missed
 
 
@@ -81,7 +82,7 @@ def trace_pre_dispatch(
     autocast.make_autocast_explicit(traced, fake_mode)
     if on_dtensors:
         ops = ", ".join(f"{name} ({n})" for name, n in sorted(on_dtensors.items()))
-        reason = f"ops on DTensors run as DTensor dispatches them, not fused: {ops}"
+        reason = f"DTensor conversions, kept whole and run as DTensor dispatches them: {ops}"
         notes.append(Missed("graph", "dtensor", reason))
     traced.meta["capture_notes"] = notes
     return traced
@@ -110,17 +111,23 @@ class _CaptureInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
-        if (
-            n.op in ("call_function", "call_method")
-            and n.target is not CHECKPOINT
-            and _on_dtensors(n)
-        ):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            self.on_dtensors[n.target if n.op == "call_method" else _name(n.target)] += 1
-            if n.op == "call_method":
-                return _record_opaque(dtensor_method, (n.target, *args), kwargs)
-            return _record_opaque(n.target, args, kwargs)
-        return super().run_node(n)
+        if n.op not in ("call_function", "call_method") or n.target is CHECKPOINT:
+            return super().run_node(n)
+        if not _on_dtensors(n):
+            return super().run_node(n)
+        if not _dtensor_conversion(n):
+            graph = get_proxy_mode().tracer.graph
+            before = set(graph.nodes)
+            try:
+                return super().run_node(n)
+            except Exception:  # kept whole instead, as DTensor runs it eagerly
+                for traced in reversed([m for m in graph.nodes if m not in before]):
+                    graph.erase_node(traced)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        self.on_dtensors[n.target if n.op == "call_method" else _name(n.target)] += 1
+        if n.op == "call_method":
+            return _record_opaque(dtensor_method, (n.target, *args), kwargs)
+        return _record_opaque(n.target, args, kwargs)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is autocast.ENTER:
@@ -174,15 +181,24 @@ class _CaptureInterpreter(torch.fx.Interpreter):
                 node.meta["ac_graph_id"] = region
 
 
+CONVERSIONS = ("to_local", "redistribute", "full_tensor")
+"""DTensor's methods that convert between placements or to a local tensor."""
+
+
+def _dtensor_conversion(node: torch.fx.Node) -> bool:
+    """Whether `node` calls one of DTensor's own conversions (a method, or a function of
+    DTensor's such as `DTensor.from_local`), which pre-dispatch tracing cannot enter."""
+    if node.op == "call_method":
+        return node.target in CONVERSIONS
+    module = getattr(node.target, "__module__", None) or ""
+    return module.startswith("torch.distributed")
+
+
 def _on_dtensors(node: torch.fx.Node) -> bool:
-    """Whether `node` reads or returns a DTensor (by Dynamo's example values). Where the DTensor
-    module was never imported there is none, and it is not imported here."""
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
-        return False
+    """Whether `node` reads or returns a DTensor (by Dynamo's example values)."""
     values = [node.meta.get("example_value")]
     values += [a.meta.get("example_value") for a in node.all_input_nodes]
-    return any(isinstance(v, module.DTensor) for v in pytree.tree_leaves(values))
+    return any(is_dtensor(v) for v in pytree.tree_leaves(values))
 
 
 def subclass_in(gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import operator
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -65,6 +66,12 @@ def has_symbols(values: Sequence[Any]) -> bool:
 def tensor_val(node: Any) -> torch.Tensor | None:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor (the DTensor module is not imported for the question)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def rank_of(node: Any) -> int | None:

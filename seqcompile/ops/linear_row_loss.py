@@ -149,7 +149,7 @@ ENTRY = FusedOp(
     lowering={FORWARD: lower_forward, BACKWARD: head.scaled},
     kernels={FORWARD: lambda call: [], BACKWARD: lambda call: []},
     sharding={
-        FORWARD: sharding_rules.replicated_only,
+        FORWARD: sharding_rules.row_program,
         BACKWARD: sharding_rules.linear_loss_backward,
     },
     saves=head.SAVES,

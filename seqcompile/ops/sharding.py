@@ -48,7 +48,24 @@ class Strategy:
 
 
 Rule = Callable[[Call, Sequence[Shape]], Iterable[Strategy]]
-"""`rule(call, output_shapes)`: the strategies beyond replicating everything."""
+"""`rule(call, output_shapes)`: the strategies beyond replicating everything (`shards` names
+them, for the fuse stage's refusals); `NoSharding` where there are none."""
+
+
+def shards(what: str) -> Callable[[Rule], Rule]:
+    """Names what a rule shards (`rows (any dimension but the last)`), for the refusal of a
+    call placed otherwise."""
+
+    def name(rule: Rule) -> Rule:
+        rule.shards = what  # type: ignore[attr-defined]
+        return rule
+
+    return name
+
+
+class NoSharding(Exception):
+    """Raised by a rule for a call no shard can compute alone (a dropout draw, a mean over every
+    shard's rows), with the reason: the call runs replicated."""
 
 
 def placed(shape: Shape | None, placement: Placement) -> Placement:
@@ -69,12 +86,6 @@ def along(shape: Shape, full: Shape, dim: int, *, reduced: bool = False) -> Plac
     return Partial() if reduced else Replicate()
 
 
-def dropout(call: Call) -> bool:
-    """Whether the call draws a dropout mask: its seed is the same on every shard, so shards would
-    repeat each other's draws."""
-    return call["seed"] is not None and call["p"] > 0
-
-
 def shape_of(spec: Any) -> Shape:
     return tuple(spec.shape)
 
@@ -89,6 +100,82 @@ def register(rules: Mapping[OpOverload, Rule]) -> None:
     for op, rule in rules.items():
         info = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
         propagator.register_op_strategy(op, functools.partial(_strategies, op, rule), info)
+
+
+def offered(op: OpOverload, rule: Rule, call: Call) -> list[Strategy]:
+    """What `rule` offers for `call` (its tensors as DTensor specs); raises `NoSharding`."""
+    return list(rule(call, _output_shapes(op, call)))
+
+
+def refusal(op: OpOverload, rule: Rule, call: Call) -> str | None:
+    """Why a call of `op` on DTensors (`call` holds fake values) cannot run on the shards as
+    they are placed, or None where it can (no DTensor among its tensors, every one replicated,
+    or their placements a strategy of the rule along every mesh dimension)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = {slot: value for slot, value in _tensor_slots(call) if value is not None}
+    placed_ = {slot: t for slot, t in tensors.items() if isinstance(t, DTensor)}
+    if not placed_:
+        return None
+    plain = [slot for slot, t in tensors.items() if slot not in placed_ and t.numel() != 1]
+    meshes = {t.device_mesh for t in placed_.values()}
+    if len(meshes) > 1:
+        return "its DTensors lie on different meshes"
+    specs = Call(op, (), {name: _as_spec(call[name]) for name in call})
+    for dim in range(next(iter(meshes)).ndim):
+        given = {slot: t.placements[dim] for slot, t in placed_.items()}
+        if all(isinstance(p, Replicate) for p in given.values()):
+            continue
+        try:
+            strategies = offered(op, rule, specs)
+        except NoSharding as reason:
+            return f"its DTensors are sharded ({_listed(given)}), and {reason}"
+        if not any(_takes(s, given) for s in strategies):
+            return f"its DTensors are placed {_listed(given)}, and it shards only {rule.shards}"
+    if plain:
+        return (
+            f"it would take DTensors and plain tensors together ({', '.join(plain)} plain),"
+            " which DTensor does not run"
+        )
+    return None
+
+
+def _tensor_slots(call: Call) -> Iterable[tuple[str, Any]]:
+    for name in call:
+        value = call.value(name)
+        if isinstance(value, list | tuple):
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if _tensor(v))
+        elif _tensor(value):
+            yield name, value
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _as_spec(value: Any) -> Any:
+    """A call's argument with each DTensor (a graph node's fake value) as its spec."""
+    value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+    if isinstance(value, list | tuple):
+        return [_as_spec(v) for v in value]
+    return getattr(value, "_spec", value)
+
+
+def _takes(strategy: Strategy, given: Mapping[str, Placement]) -> bool:
+    """Whether `strategy` takes the tensors placed as `given` (slot names, `inputs[0]` in a
+    list), every tensor it does not name replicated."""
+    for slot, placement in given.items():
+        name, _, index = slot.partition("[")
+        wanted = strategy.inputs.get(name, Replicate())
+        if index and not isinstance(wanted, Placement):
+            wanted = wanted[int(index[:-1])]
+        if wanted != placement:
+            return False
+    return True
+
+
+def _listed(given: Mapping[str, Placement]) -> str:
+    return ", ".join(f"{slot} {placement!r}" for slot, placement in given.items())
 
 
 def _strategies(op: OpOverload, rule: Rule, op_schema: Any) -> Any:
@@ -108,7 +195,11 @@ def _strategies(op: OpOverload, rule: Rule, op_schema: Any) -> Any:
                 {k: spec(v) for k, v in op_schema.kwargs_schema.items()})  # fmt: skip
     shapes = _output_shapes(op, call)
     replicated = Strategy([Replicate()] * len(shapes))
-    rows = [_placement_list(call, s, len(shapes)) for s in (replicated, *rule(call, shapes))]
+    try:
+        strategies = [replicated, *rule(call, shapes)]
+    except NoSharding:
+        strategies = [replicated]
+    rows = [_placement_list(call, s, len(shapes)) for s in strategies]
     found = expand_to_full_mesh_op_strategy(
         op_schema.get_mesh_from_args(), op_schema, rows, input_index=len(shapes)
     )
@@ -154,10 +245,12 @@ def _output_shapes(op: OpOverload, call: Call) -> list[Shape]:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     def fake(value: Any) -> Any:
-        if not is_spec(value):
-            return value
-        meta = value.tensor_meta
-        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+        if is_spec(value):
+            meta = value.tensor_meta
+            return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+        if isinstance(value, torch.Tensor):  # a plain tensor beside the DTensors (a seed)
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+        return value
 
     mode = detect_fake_mode() or FakeTensorMode()
     with mode, disable_proxy_modes_tracing():

@@ -20,16 +20,21 @@ from collections.abc import Sequence
 
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.sharding import (
+    NoSharding,
     Partial,
     Shape,
     Shard,
     Strategy,
     along,
-    dropout,
     is_spec,
     placed,
     shape_of,
+    shards,
 )
+
+ROWS = "rows (any dimension but the last, which it normalizes)"
+LOSS_ROWS = "rows (any dimension but the last, the classes)"
+DROPOUT = "it draws dropout: every shard would draw the same mask from the one seed"
 
 
 def _row_dims(call: Call, name: str) -> range:
@@ -37,19 +42,24 @@ def _row_dims(call: Call, name: str) -> range:
     return range(len(shape_of(call[name])) - 1)
 
 
+def _no_dropout(call: Call) -> None:
+    if call["seed"] is not None and call["p"] > 0:
+        raise NoSharding(DROPOUT)
+
+
+@shards(ROWS)
 def norm_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
-    if dropout(call):
-        return []
+    _no_dropout(call)
     return [
         Strategy([placed(s, Shard(d)) for s in outputs], {"x": Shard(d), "residual": Shard(d)})
         for d in _row_dims(call, "x")
     ]
 
 
+@shards(ROWS)
 def norm_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """The input gradients sharded as the rows, the weight and bias gradients partial."""
-    if dropout(call):
-        return []
+    _no_dropout(call)
     rows = ("grad_out", "grad_sum", "saved", "mean", "rstd")
     return [
         Strategy(
@@ -64,6 +74,7 @@ def rows_everywhere(anchor: str):
     """The rule of an op whose every tensor, argument and output, holds one entry per row of
     argument `anchor` (the cross-entropies and their backward ops)."""
 
+    @shards(LOSS_ROWS)
     def rule(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
         tensors = [name for name in call if is_spec(call[name])]
         return [
@@ -74,10 +85,11 @@ def rows_everywhere(anchor: str):
     return rule
 
 
+@shards("rows of a sum (any dimension of the hidden states but the last)")
 def linear_loss_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """A sum over rows: the loss and the weight gradients partial, the hidden gradient sharded."""
     if call["mean"]:
-        return []
+        raise NoSharding("its mean divides by the count of every shard's targets")
     return [
         Strategy(
             [Partial(), placed(outputs[1], Shard(d)), *(placed(s, Partial()) for s in outputs[2:])],
@@ -87,14 +99,16 @@ def linear_loss_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     ]
 
 
-def replicated_only(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
-    return []
+@shards("nothing")
+def row_program(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
+    raise NoSharding("the loss's program may take any statistic of all the rows")
 
 
+@shards("the forward's gradients as it placed them")
 def linear_loss_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """The forward's gradients scaled by the loss's (replicated) gradient: placed as they are."""
     if shape_of(call["dhidden"]) == (0,):
-        return []
+        raise NoSharding("it makes no gradient of the hidden states")
     options = []
     for d in _row_dims(call, "dhidden"):
         grads = [Shard(d), placed(shape_of(call["dweight"]), Partial()),
@@ -117,9 +131,12 @@ def _attention_dims(call: Call) -> tuple[Shape, tuple[int, ...]]:
     return (q[0], q[1], q[2], k[2]), (0, 1) if heads else (0,)
 
 
+HEADS = "the batch, or the heads where both head counts divide by the mesh's size"
+
+
+@shards(HEADS)
 def attention_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
-    if dropout(call):
-        return []
+    _no_dropout(call)
     scores, dims = _attention_dims(call)
     options = []
     for d in dims:
@@ -130,11 +147,11 @@ def attention_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     return options
 
 
+@shards(HEADS)
 def attention_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """q, k, v and the forward's results sharded; a learned bias's gradient sharded where the
     bias is, partial where it broadcasts along the sharded dimension."""
-    if dropout(call):
-        return []
+    _no_dropout(call)
     scores, dims = _attention_dims(call)
     options = []
     for d in dims:
@@ -147,17 +164,22 @@ def attention_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     return options
 
 
+ANY = "any dimension of the region's shape (an input broadcast along it replicated)"
+
+
+@shards(ANY)
 def pointwise_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """Any dimension of the region's shape; an input broadcast along it is replicated."""
     if call["seed"] is not None:
-        return []
+        raise NoSharding(DROPOUT)
     return _elementwise(outputs, {"inputs": call["inputs"]})
 
 
+@shards(ANY)
 def pointwise_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """As the forward: every gradient it returns has the region's shape."""
     if call["seed"] is not None:
-        return []
+        raise NoSharding(DROPOUT)
     return _elementwise(outputs, {"saved": call["saved"], "grads": call["grads"]})
 
 

@@ -20,8 +20,10 @@ from seqcompile.fx_utils import (
     source_meta,
     tensor_val,
 )
-from seqcompile.ops.fused_op import by_name
+from seqcompile.ops import sharding
+from seqcompile.ops.fused_op import Call, by_name
 from seqcompile.ops.random import SEED_HIGH
+from seqcompile.ops.registry import entry_of
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
 
@@ -40,6 +42,21 @@ class Reject:
 
     def __repr__(self) -> str:
         return f"Reject({self.reason!r})"
+
+
+class Refused(Exception):
+    """Raised by a rewrite that finds, as it builds its fused call, that the call cannot run on
+    the graph's values (a fused op on DTensors placed as no sharding rule of it takes): the engine
+    takes out what the rewrite inserted and records the reason as a refusal."""
+
+
+def dtensor_refusal(op: Any, args: tuple) -> str | None:
+    """Why a call of the fused op `op` with positional `args` (nodes, or values) cannot run on the
+    DTensors it would take, as they are placed (`ops/sharding.py`); None where it can."""
+    entry = entry_of(op)
+    rule = entry.sharding.get(op) if entry is not None else None
+    reason = sharding.refusal(op, rule, Call(op, args, {})) if rule is not None else None
+    return None if reason is None else f"{entry.name} on DTensors: {reason}"
 
 
 Rewrite = Callable[["FuseContext"], Node]
@@ -96,8 +113,13 @@ class FuseContext:
         return node
 
     def call_fused(self, op: Any, **arguments: Any) -> Node:
-        """A call of the fused op `op`, its arguments given by the names in its schema."""
-        return self.call(op, *by_name(op, **arguments))
+        """A call of the fused op `op`, its arguments given by the names in its schema; raises
+        `Refused` where it would take DTensors placed as the op's sharding rule does not take."""
+        args = by_name(op, **arguments)
+        reason = dtensor_refusal(op, args)
+        if reason is not None:
+            raise Refused(reason)
+        return self.call(op, *args)
 
     def in_layout_of(self, value: Node, like: torch.Tensor) -> Node:
         return in_layout_of(self, value, like)
@@ -130,6 +152,10 @@ class FuseContext:
                 )
         return self._seeds[device]
 
+    def forget_erased_seeds(self) -> None:
+        live = set(self.gm.graph.nodes)
+        self._seeds = {device: n for device, n in self._seeds.items() if n in live}
+
     def next_stream(self) -> int:
         """A distinct random stream per dropout site, so sites sharing the seed differ."""
         self._streams += 1
@@ -156,6 +182,27 @@ def site_key(family: str, anchor: Node) -> str:
     return f"{family}:{anchor.name}"
 
 
+def _apply(ctx: FuseContext, family: str, node: Node, rewrite: Rewrite) -> None:
+    """Apply `rewrite` at `node` and count the site, or, where it is `Refused`, take out the
+    nodes it inserted (none of which the graph reads yet) and record why."""
+    graph = ctx.gm.graph
+    before = set(graph.nodes)
+    ctx.site = node
+    try:
+        with graph.inserting_before(node):
+            rewrite(ctx)
+    except Refused as refused:
+        for inserted in reversed([n for n in graph.nodes if n not in before]):
+            graph.erase_node(inserted)
+        ctx.forget_erased_seeds()
+        ctx.report.missed.append(Missed(site_name(node), family, str(refused)))
+        return
+    finally:
+        ctx.site = None
+    ctx.fused(family, node)
+    ctx.report.counts[family] += 1
+
+
 def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
     """Try every pattern at every node, in graph order; the first pattern that answers wins."""
     for node in list(ctx.gm.graph.nodes):
@@ -168,12 +215,7 @@ def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
             if isinstance(found, Reject):
                 ctx.report.missed.append(Missed(site_name(node), pattern.family, found.reason))
             elif ctx.admits(pattern.family, node):
-                ctx.site = node
-                with ctx.gm.graph.inserting_before(node):
-                    found(ctx)
-                ctx.site = None
-                ctx.fused(pattern.family, node)
-                ctx.report.counts[pattern.family] += 1
+                _apply(ctx, pattern.family, node, found)
             break
     ctx.gm.graph.eliminate_dead_code()  # what fed only replaced nodes (a causal mask's builders)
     ctx.gm.graph.lint()

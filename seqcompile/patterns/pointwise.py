@@ -29,7 +29,8 @@ from seqcompile.fx_utils import (
 from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
-from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
+from seqcompile.ops.fused_op import by_name
+from seqcompile.patterns.engine import FuseContext, Reject, Rewrite, dtensor_refusal
 from seqcompile.patterns.pointwise_ops import element_wise, refusal, unsupported_ops
 from seqcompile.report import Missed
 
@@ -213,6 +214,10 @@ def fuse_regions(ctx: FuseContext) -> None:
     ctx.gm.recompile()
 
 
+SEED_STAND_IN = torch.zeros((), dtype=torch.int64)
+"""What a region's seed is to the check of its call on DTensors: a plain scalar tensor, which
+DTensor takes as replicated (the seed node is made only once the region fuses)."""
+
 _EARLY_USE = (
     "a value of the region is used before the region ends, ahead of a value the region reads;"
     " no part of the region split at that use is worth fusing"
@@ -339,6 +344,11 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
         pointwise_op.compile_time_specs(region, values, needs_grad if ctx.training else None)
     except (regions.UnsupportedRegion, Unprintable) as error:
         return str(error)
+    op, seed = pointwise_op.ENTRY.forward, SEED_STAND_IN if dropouts else None
+    args = by_name(op, inputs=inputs, seed=seed, stream=0, region=region.key)
+    on_dtensors = dtensor_refusal(op, args)
+    if on_dtensors is not None:
+        return on_dtensors
 
     def swap(ctx: FuseContext) -> Node:
         device = tensor_val(last).device

@@ -33,6 +33,7 @@ from seqcompile.fx_utils import (
     in_own_thread,
     insert_getitem,
     is_call,
+    is_dtensor,
     tensor_val,
     val,
 )
@@ -194,6 +195,8 @@ def _why_not(
     if any(tensor_val(e) is None for e in externals):
         names = ", ".join(e.name for e in externals if tensor_val(e) is None)
         return f"the loss reads values that are not tensors ({names})"
+    if any(is_dtensor(tensor_val(n)) for n in (linear.node, *nodes, *externals)):
+        return "the logits or what the loss reads are DTensors; its program reads local rows"
     if has_symbols([val(n) for n in (linear.node, *externals)]):
         return "the logits or what the loss reads have dynamic shapes"
     needing = [e.name for e in gradients.needed(nodes, externals)]

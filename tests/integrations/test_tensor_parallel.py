@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -35,6 +35,9 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils.checkpoint import checkpoint
 
 from seqcompile import backend
+from seqcompile.ops import registry
+from seqcompile.ops.fused_op import by_name
+from seqcompile.patterns.engine import dtensor_refusal
 from seqcompile.report import collecting
 
 VOCAB, WIDTH, HEADS, LAYERS, BATCH, LENGTH = 64, 32, 4, 2, 2, 8
@@ -216,15 +219,33 @@ def one_rank_mesh(tmp_path):
         yield init_device_mesh("cpu", (1,))
 
 
-KEPT = "ops on DTensors run as DTensor dispatches them, not fused: from_local"
+KEPT = "DTensor conversions, kept whole and run as DTensor dispatches them: from_local"
+VOCABULARY = (
+    "cross_entropy on DTensors: its DTensors are placed logits Shard(dim=1), and it shards only"
+    " rows"
+)
 
 
-def test_the_local_computation_between_dtensor_ops_fuses(one_rank_mesh):
+def test_the_computation_between_dtensor_conversions_fuses(one_rank_mesh):
     report = check_against_eager(
         one_rank_mesh, {"norm": 2 * LAYERS + 1, "attention": LAYERS, "loss": 1}, [KEPT]
     )
     (kept,) = [m.reason for m in report.missed]
-    assert "linear (12)" in kept and "redistribute" in kept and "to_local" in kept
+    assert "redistribute (12)" in kept and "to_local (12)" in kept and "linear" not in kept
+
+
+@pytest.mark.parametrize(
+    "setup, fused, missed",
+    [
+        ({"sequence_parallel": True}, {"norm": 2 * LAYERS + 1, "loss": 1}, [KEPT]),
+        ({"vocab": True}, {"norm": 2 * LAYERS + 1, "loss": 0}, [VOCABULARY]),
+    ],
+    ids=["sequence-parallel-norms-fuse", "vocabulary-sharded-loss-refused"],
+)
+def test_ops_on_dtensors_fuse_where_their_placements_allow(one_rank_mesh, setup, fused, missed):
+    """The norms on sequence shards fuse into `add_norm` on DTensors; a loss over logits
+    sharded along the vocabulary is refused with the reason, and DTensor computes it."""
+    check_against_eager(one_rank_mesh, fused, missed, **setup)
 
 
 @pytest.mark.slow
@@ -233,6 +254,50 @@ def test_dtensor_ops_inside_checkpointed_blocks_are_kept_too(one_rank_mesh):
         one_rank_mesh, {"norm": 2 * LAYERS + 1, "attention": LAYERS, "loss": 1}, [KEPT],
         checkpointed=True,
     )  # fmt: skip
+
+
+def _norm_of_sum(x, r, w, b):
+    return F.layer_norm(x + r, (WIDTH,), w, b)
+
+
+@pytest.mark.parametrize("dim, fuses", [(1, True), (2, False)], ids=["rows", "normalized-dim"])
+def test_a_norm_on_dtensors_fuses_only_where_its_rows_are_sharded(one_rank_mesh, dim, fuses):
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(BATCH, LENGTH, WIDTH, generator=g, requires_grad=True) for _ in "xr")
+    w, b = (torch.randn(WIDTH, generator=g, requires_grad=True) for _ in "wb")
+    place = [Shard(dim), Shard(dim), Replicate(), Replicate()]
+    inputs = [distribute_tensor(t.detach(), one_rank_mesh, [p]).requires_grad_()
+              for t, p in zip((x, r, w, b), place, strict=True)]  # fmt: skip
+    with collecting() as report:
+        out = torch.compile(_norm_of_sum, backend="seqfast")(*inputs)
+        out.full_tensor().pow(2).sum().backward()
+    expected = _norm_of_sum(x, r, w, b)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out.full_tensor(), expected)
+    for got, leaf in zip(inputs, (x, r, w, b), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), leaf.grad, atol=1e-5, rtol=1e-4)
+    assert report.counts["norm"] == (1 if fuses else 0), str(report)
+    if not fuses:
+        (reason,) = [m.reason for m in report.missed if m.pattern == "norm"]
+        placed = (
+            "add_norm on DTensors: its DTensors are placed x Shard(dim=2), residual Shard(dim=2)"
+        )
+        takes = "it shards only rows (any dimension but the last, which it normalizes)"
+        assert reason.startswith(placed) and reason.endswith(takes), reason
+
+
+def test_dtensors_beside_plain_tensors_are_refused(one_rank_mesh):
+    op = registry.entry_named("add_norm").forward
+    x = distribute_tensor(torch.randn(BATCH, LENGTH, WIDTH), one_rank_mesh, [Shard(1)])
+    args = by_name(op, x=x, residual=None, branch_bias=None, weight=torch.ones(WIDTH),
+                   bias=None, seed=None, stream=0, p=0.0, eps=1e-5, rms=True,
+                   out_dtype=torch.float32, sum_dtype=torch.float32)  # fmt: skip
+    assert dtensor_refusal(op, args) == (
+        "add_norm on DTensors: it would take DTensors and plain tensors together (weight plain),"
+        " which DTensor does not run"
+    )
+    replicated = distribute_tensor(torch.ones(WIDTH), one_rank_mesh, [Replicate()])
+    assert dtensor_refusal(op, (*args[:3], replicated, *args[4:])) is None
 
 
 def _failing_stage(monkeypatch):
@@ -297,11 +362,10 @@ SETUPS = {
     "rms-norm": ({"rms": True}, {"norm": NORMS, "attention": LAYERS, "loss": 1}, [KEPT]),
     "per-block": ({"per_block": True}, {"norm": 2, "attention": 1}, [KEPT]),  # one graph, reused
     "sequence-parallel": (
-        {"sequence_parallel": True}, {"norm": 0, "attention": LAYERS, "loss": 1},
-        ["layer_norm (5)"],
+        {"sequence_parallel": True}, {"norm": NORMS, "attention": LAYERS, "loss": 1}, [KEPT]
     ),
     "loss-parallel": (
-        {"vocab": True}, {"norm": NORMS, "attention": LAYERS, "loss": 0}, ["cross_entropy (1)"]
+        {"vocab": True}, {"norm": NORMS, "attention": LAYERS, "loss": 0}, [VOCABULARY]
     ),
     # FSDP2's hooks end a graph at each block: one block's graph, reused
     "fsdp2-tp": ({"fsdp": True, "mesh": (2, 2)}, {"norm": 2, "attention": 1}, [KEPT]),
@@ -336,6 +400,9 @@ class Dropped(nn.Module):
         return (y.to_local() if isinstance(y, DTensor) else y) * 3
 
 
+DRAWS_DROPOUT = "its DTensors are sharded (inputs[0] Shard(dim=1)), and it draws dropout"
+
+
 def _dropout_mask(mesh, sharded, compile_backend):
     torch.manual_seed(0)  # every rank draws the same numbers, as tensor parallelism needs
     model = Dropped()
@@ -358,6 +425,7 @@ def _dropout_worker(rank, store, sharded):
         if sharded:  # a DTensor's dropout: DTensor draws it, as eagerly (its generator decides
             # whether shards differ: on CUDA they do, on CPU each rank draws as a tensor does)
             assert report.counts["pointwise"] == 0, str(report)
+            assert any(DRAWS_DROPOUT in m.reason for m in report.missed), str(report)
             assert torch.equal(kept, _dropout_mask(mesh, sharded, "eager"))
         else:  # fused, the same mask on every rank, or the ranks' copies would drift apart
             assert report.counts["pointwise"] == 1, str(report)
