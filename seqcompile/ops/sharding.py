@@ -8,7 +8,9 @@ where each output lies (`Shard(d)`, `Replicate()`, or `Partial()` for a sum over
 given placements of its tensor arguments. Every op also takes the replicated strategy (each rank
 computes the whole op), which is always right; DTensor expands the strategies to every dimension
 of the mesh and picks the cheapest for the placements it was given, redistributing where none
-matches. `register` hands the rules to DTensor's sharding propagator at import.
+matches. `register` hands the rules to DTensor's sharding propagator at import; `refusal` tells
+the fuse stage why a fused call on DTensors placed as no rule takes them should not be made (it
+would run, redistributed or replicated, where the unfused ops may not need to).
 
 A rule offers what holds on every shard: rows (batch, sequence) for norms, regions and the losses;
 batch and heads for attention; never the dimension an op reduces over; never a dropout draw,
@@ -114,16 +116,16 @@ def refusal(op: OpOverload, rule: Rule, call: Call) -> str | None:
     from torch.distributed.tensor import DTensor
 
     tensors = {slot: value for slot, value in _tensor_slots(call) if value is not None}
-    placed_ = {slot: t for slot, t in tensors.items() if isinstance(t, DTensor)}
-    if not placed_:
+    dtensors = {slot: t for slot, t in tensors.items() if isinstance(t, DTensor)}
+    if not dtensors:
         return None
-    plain = [slot for slot, t in tensors.items() if slot not in placed_ and t.numel() != 1]
-    meshes = {t.device_mesh for t in placed_.values()}
+    plain = [slot for slot, t in tensors.items() if slot not in dtensors and t.numel() != 1]
+    meshes = {t.device_mesh for t in dtensors.values()}
     if len(meshes) > 1:
         return "its DTensors lie on different meshes"
     specs = Call(op, (), {name: _as_spec(call[name]) for name in call})
     for dim in range(next(iter(meshes)).ndim):
-        given = {slot: t.placements[dim] for slot, t in placed_.items()}
+        given = {slot: t.placements[dim] for slot, t in dtensors.items()}
         if all(isinstance(p, Replicate) for p in given.values()):
             continue
         try:
@@ -131,7 +133,8 @@ def refusal(op: OpOverload, rule: Rule, call: Call) -> str | None:
         except NoSharding as reason:
             return f"its DTensors are sharded ({_listed(given)}), and {reason}"
         if not any(_takes(s, given) for s in strategies):
-            return f"its DTensors are placed {_listed(given)}, and it shards only {rule.shards}"
+            takes = getattr(rule, "shards", "what its rule offers")
+            return f"its DTensors are placed {_listed(given)}, and it shards only {takes}"
     if plain:
         return (
             f"it would take DTensors and plain tensors together ({', '.join(plain)} plain),"

@@ -368,7 +368,8 @@ def packed(lengths_per_row, length):
 @pytest.mark.parametrize(
     "causal, window, shuffled",
     [pytest.param(True, 0, False, marks=pytest.mark.slow),  # the window's case covers it
-     (False, 0, False), (True, 9, False), (False, 0, True)],
+     pytest.param(False, 0, False, marks=pytest.mark.slow),  # the shuffled case covers it
+     (True, 9, False), (False, 0, True)],
 )  # fmt: skip
 def test_packed_documents(impl, causal, window, shuffled):
     """Three documents in one row, two in the other, at lengths that do not divide the blocks;
@@ -556,7 +557,9 @@ def test_dropout_backward_drops_what_the_forward_dropped(impl):
 
 
 @pytest.mark.parametrize(
-    "lk,causal", [(32, False), (23, True), (1, False)], ids=["lk32", "lk23-causal", "lk1"]
+    "lk,causal",
+    [pytest.param(32, False, marks=pytest.mark.slow), (23, True), (1, False)],
+    ids=["lk32", "lk23-causal", "lk1"],
 )
 def test_kernels_drop_exactly_what_the_reference_drops(interpret, monkeypatch, lk, causal):
     """Rows of keys not a multiple of 4 long (each row's numbers start a Philox block) and one

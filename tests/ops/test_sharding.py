@@ -48,9 +48,13 @@ def mesh() -> Iterator[Any]:
 
 
 def _cases():
+    """Every sample; those with non-finite values (which test numerics, not placements) in the
+    slow tier."""
     for entry in registry.ENTRIES:
         for sample in entry.samples():
-            yield pytest.param(entry, sample, id=f"{entry.name}-{sample.name}")
+            numeric = "nan" in sample.name or "inf" in sample.name
+            marks = [pytest.mark.slow] if numeric else []
+            yield pytest.param(entry, sample, id=f"{entry.name}-{sample.name}", marks=marks)
 
 
 def _calls(entry: FusedOp, sample: Sample) -> list[tuple[Any, dict[str, Any], Any]]:
