@@ -205,8 +205,9 @@ def check_against_eager(mesh, fused, missed, **setup):
 
 
 @contextlib.contextmanager
-def process_group(rank, world_size, store):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+def process_group(rank, world_size, store, backend="gloo"):
+    address = f"file://{store}"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -405,6 +406,10 @@ NORMS = 2 * LAYERS + 1
 SETUPS = {
     "layer-norm": ({}, {"norm": NORMS, "attention": LAYERS, "loss": 1}, [KEPT]),
     "rms-norm": ({"rms": True}, {"norm": NORMS, "attention": LAYERS, "loss": 1}, [KEPT]),
+    "sequence-parallel-rms-norm": (
+        {"sequence_parallel": True, "rms": True}, {"norm": NORMS, "attention": LAYERS, "loss": 1},
+        [KEPT],
+    ),
     "per-block": ({"per_block": True}, {"norm": 2, "attention": 1}, [KEPT]),  # one graph, reused
     "sequence-parallel": (
         {"sequence_parallel": True}, {"norm": NORMS, "attention": LAYERS, "loss": 1}, [KEPT]
@@ -450,37 +455,57 @@ DRAWS_DROPOUT = "its DTensors are sharded (inputs[0] Shard(dim=1)), and it draws
 
 def _dropout_mask(mesh, sharded, compile_backend):
     torch.manual_seed(0)  # every rank draws the same numbers, as tensor parallelism needs
-    model = Dropped()
+    model = Dropped().to(mesh.device_type)
     style = RowwiseParallel(
         input_layouts=Replicate(),
         output_layouts=Shard(1) if sharded else Replicate(),
         use_local_output=not sharded,
     )
     parallelize_module(model, mesh, {"w": style})
-    return torch.compile(model, backend=compile_backend)(torch.ones(BATCH, LENGTH, WIDTH)) != 0
+    ones = torch.ones(BATCH, LENGTH, WIDTH, device=mesh.device_type)
+    return torch.compile(model, backend=compile_backend)(ones) != 0
 
 
-def _dropout_worker(rank, store, sharded):
+def _dropout_worker(rank, store, sharded, device):
     torch.set_num_threads(1)
-    with process_group(rank, 2, store):
-        mesh = init_device_mesh("cpu", (2,))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with process_group(rank, 2, store, "nccl" if device == "cuda" else "gloo"):
+        mesh = init_device_mesh(device, (2,))
         with collecting() as report:
             kept = _dropout_mask(mesh, sharded, "seqfast")
         assert 0.3 < kept.float().mean() < 0.7
-        if sharded:  # a DTensor's dropout: DTensor draws it, as eagerly (its generator decides
-            # whether shards differ: on CUDA they do, on CPU each rank draws as a tensor does)
+        gathered = [torch.empty_like(kept) for _ in range(2)]
+        dist.all_gather(gathered, kept)
+        if sharded:  # a DTensor's dropout: refused, and DTensor draws it, as eagerly
             assert report.counts["pointwise"] == 0, str(report)
             assert any(DRAWS_DROPOUT in m.reason for m in report.missed), str(report)
             assert torch.equal(kept, _dropout_mask(mesh, sharded, "eager"))
+            # DTensor's generator offsets each shard's draws on CUDA; on CPU it has none, and
+            # each rank draws as a plain tensor does (eagerly too)
+            assert torch.equal(gathered[0], gathered[1]) == (device == "cpu")
         else:  # fused, the same mask on every rank, or the ranks' copies would drift apart
             assert report.counts["pointwise"] == 1, str(report)
-            gathered = [torch.empty_like(kept) for _ in range(2)]
-            dist.all_gather(gathered, kept)
             assert torch.equal(gathered[0], gathered[1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sequence-sharded"])
-def test_dropout_masks_agree_where_replicated_and_are_dtensors_where_sharded(sharded):
+def _dropout_masks(sharded, device):
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_dropout_worker, args=(f"{folder}/store", sharded), nprocs=2, join=True)
+        args = (f"{folder}/store", sharded, device)
+        mp.spawn(_dropout_worker, args=args, nprocs=2, join=True)
+
+
+SHARDING = pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sequence-sharded"])
+
+
+@pytest.mark.slow
+@SHARDING
+def test_dropout_masks_agree_where_replicated_and_are_dtensors_where_sharded(sharded):
+    _dropout_masks(sharded, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@SHARDING
+def test_dropout_masks_differ_between_shards_on_cuda(sharded):
+    _dropout_masks(sharded, "cuda")
