@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,11 +95,16 @@ def shape_of(spec: Any) -> Shape:
 
 def register(rules: Mapping[OpOverload, Rule]) -> None:
     """Register each op's rule with DTensor's sharding propagator (every argument of the call is
-    part of the key it caches a decision under)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    part of the key it caches a decision under). Where this torch keeps that registry elsewhere,
+    a warning says so, and a graph that would run a fused op on DTensors runs as captured."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
-    propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator = DTensor._op_dispatcher.sharding_propagator
+    except (ImportError, AttributeError) as error:
+        warnings.warn(f"seqcompile: fused ops get no sharding rules here: {error}", stacklevel=2)
+        return
     for op, rule in rules.items():
         info = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
         propagator.register_op_strategy(op, functools.partial(_strategies, op, rule), info)
