@@ -184,7 +184,9 @@ def _takes(strategy: Strategy, given: Mapping[str, Placement]) -> bool:
 
 
 def _listed(given: Mapping[str, Placement]) -> str:
-    return ", ".join(f"{slot} {placement!r}" for slot, placement in given.items())
+    """The placements that are not replicated, by slot."""
+    shown = {slot: p for slot, p in given.items() if not isinstance(p, Replicate)}
+    return ", ".join(f"{slot} {placement!r}" for slot, placement in shown.items())
 
 
 def _strategies(op: OpOverload, rule: Rule, op_schema: Any) -> Any:
