@@ -102,12 +102,11 @@ def register(rules: Mapping[OpOverload, Rule]) -> None:
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
         propagator = DTensor._op_dispatcher.sharding_propagator
-    except (ImportError, AttributeError) as error:
+        for op, rule in rules.items():
+            info = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
+            propagator.register_op_strategy(op, functools.partial(_strategies, op, rule), info)
+    except Exception as error:  # DTensor's internals moved: seqcompile still imports
         warnings.warn(f"seqcompile: fused ops get no sharding rules here: {error}", stacklevel=2)
-        return
-    for op, rule in rules.items():
-        info = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
-        propagator.register_op_strategy(op, functools.partial(_strategies, op, rule), info)
 
 
 def offered(op: OpOverload, rule: Rule, call: Call) -> list[Strategy]:
