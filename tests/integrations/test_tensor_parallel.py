@@ -13,6 +13,7 @@ mesh) gloo processes in the slow tier."""
 
 import contextlib
 import math
+import os
 import tempfile
 
 import pytest
@@ -35,6 +36,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils.checkpoint import checkpoint
 
 from seqcompile import backend, capture
+from seqcompile.codegen.launches import counting_launches
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import by_name
 from seqcompile.patterns.engine import dtensor_refusal
@@ -388,17 +390,31 @@ def test_a_subclass_graph_seqfast_fails_on_runs_as_captured(monkeypatch, failing
         torch.compile(fn, backend="seqfast")(x)
 
 
+KERNELS = {
+    "attention": ("attention_fwd", "attention_bwd_dq"), "norm": ("add_norm_fwd", "add_norm_bwd"),
+    "loss": ("cross_entropy",), "pointwise": ("pointwise:forward", "pointwise:backward"),
+}  # fmt: skip
+"""Kernels a family's fused sites launch, forward and backward."""
+
+
+def assert_launched(launched, fused):
+    """Each family that fused launched its kernels on this rank (the kernel path ran)."""
+    for family, sites in fused.items():
+        for kernel in KERNELS[family] if sites else ():
+            assert launched.of(kernel) > 0, f"{family}: no {kernel} launched: {launched.names()}"
+
+
 def _worker(rank, store, setup, fused, missed, kernels):
     torch.set_num_threads(1)
     if kernels:
-        import os
-
         os.environ["SEQFAST_INTERPRET"] = "1"
     shape = setup.pop("mesh", (2,))
-    with process_group(rank, math.prod(shape), store):
+    with process_group(rank, math.prod(shape), store), counting_launches() as launched:
         names = ("dp", "tp") if len(shape) == 2 else None
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         check_against_eager(mesh, fused, missed, **setup)
+    if kernels:
+        assert_launched(launched, fused)
 
 
 NORMS = 2 * LAYERS + 1

@@ -16,9 +16,10 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from seqcompile.codegen.launches import counting_launches
 from seqcompile.report import collecting
 
-from .test_tensor_parallel import process_group
+from .test_tensor_parallel import assert_launched, process_group
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 pytestmark = pytest.mark.slow
@@ -121,8 +122,10 @@ def _worker(rank, store, world, data_parallel, sequence_parallel, fused, kernels
     with process_group(rank, world, store):
         expected, expected_grads = step(world, data_parallel, sequence_parallel, "eager")
         torch._dynamo.reset()
-        with collecting() as report:
+        with collecting() as report, counting_launches() as launched:
             got, grads = step(world, data_parallel, sequence_parallel, "seqfast")
+        if kernels:
+            assert_launched(launched, fused)
         torch.testing.assert_close(got, expected)
         for g, e in zip(grads, expected_grads, strict=True):
             torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
