@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from seqcompile.backend import seqfast
 from seqcompile.demo import GPTConfig, toy_batch
 from seqcompile.memory.saved import saved_bytes
+from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.samples import Sample
 from seqcompile.report import CompileReport, collecting
 from seqcompile.verify import copy_as_given
 
@@ -202,3 +204,12 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     if t.numel() == 0:
         return ()
     return tuple(stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)
+
+
+def forward_kernels(entry: FusedOp, sample: Sample) -> tuple[str, ...]:
+    """The kernels the kernel path must launch for `sample`'s forward call: those the entry names
+    for it, none where a tensor argument is empty (the op answers without a launch)."""
+    if sample.is_empty():
+        return ()
+    specs = entry.kernels[entry.forward](Call(entry.forward, (), sample.args))
+    return tuple(spec.name for spec in specs)

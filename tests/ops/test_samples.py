@@ -19,25 +19,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from checks import SeqfastCalls
+from checks import SeqfastCalls, forward_kernels
 from conftest import TOLERANCES
 
 from seqcompile.codegen import counting_launches
 from seqcompile.ops import registry
-from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.fused_op import FusedOp
 from seqcompile.ops.samples import LAYOUTS, Sample, applies, in_layout, replace_slots, tensor_slots
 
 PATHS = ("reference", "kernels", "cuda")
 """Where the op runs: the reference on CPU, the kernels under the interpreter or on CUDA."""
-
-
-def _forward_kernels(entry: FusedOp, sample: Sample) -> tuple[str, ...]:
-    """The kernels the kernel path must launch for `sample`: those the entry names for its call,
-    none where a tensor argument is empty (the op answers without a launch)."""
-    if sample.is_empty():
-        return ()
-    specs = entry.kernels[entry.forward](Call(entry.forward, (), sample.args))
-    return tuple(spec.name for spec in specs)
 
 
 def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str, slow: bool):
@@ -53,7 +44,7 @@ def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str,
         if path == "cuda":
             marks.append(pytest.mark.gpu)
         if path == "kernels":
-            kernels = _forward_kernels(entry, sample)
+            kernels = forward_kernels(entry, sample)
             marks += [pytest.mark.interpreter, pytest.mark.kernels(*kernels)]
         yield pytest.param(entry, sample, layouts, path, id=case_id, marks=marks)
 
@@ -101,7 +92,7 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
         result = entry.forward(**args)
     calls.assert_fakes_agree()
     if path != "reference":  # checked first: an output the reference gives fails for this reason
-        missing = [name for name in _forward_kernels(entry, sample) if not launches.of(name)]
+        missing = [name for name in forward_kernels(entry, sample) if not launches.of(name)]
         assert not missing, f"kernels {missing} were never launched"
     outputs = [result[i] for i in sample.outputs] if isinstance(result, tuple | list) else [result]
     for i, actual, want in zip(sample.outputs, outputs, expected, strict=True):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from checks import SeqfastCalls
+from checks import SeqfastCalls, forward_kernels
 from conftest import TOLERANCES
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
@@ -167,6 +167,27 @@ def test_every_offered_sharding_computes_the_op_on_the_shards(entry: FusedOp, sa
             got = [t.placements[0] for t in tree_leaves(result) if isinstance(t, DTensor)]
             assert got == list(strategy.outputs), f"{where}: redistributed to {got}"
             _compare(gathered, expected, where)
+
+
+ON_KERNELS = {
+    "attention": "bias-mask", "add_norm": "layer-norm", "cross_entropy": "plain",
+    "linear_cross_entropy": "sum-without-bias", "linear_row_loss": "z-loss",
+    "soft_cross_entropy": "plain", "pointwise": "bias-gelu",
+}  # fmt: skip
+"""A sample of each entry that offers a sharded forward, for the kernel path."""
+
+
+def _kernel_cases():
+    for entry in registry.ENTRIES:
+        sample = next(s for s in entry.samples() if s.name == ON_KERNELS[entry.name])
+        marks = [pytest.mark.slow, pytest.mark.kernels(*forward_kernels(entry, sample))]
+        yield pytest.param(entry, sample, id=f"{entry.name}-{sample.name}", marks=marks)
+
+
+@pytest.mark.parametrize("entry, sample", list(_kernel_cases()))
+def test_offered_shardings_on_the_kernel_path(entry: FusedOp, sample, mesh, interpret):
+    """The generated kernels on each rank's shards (views DTensor cut, and their gradients)."""
+    test_every_offered_sharding_computes_the_op_on_the_shards(entry, sample, mesh)
 
 
 def test_every_op_but_the_row_program_offers_a_sharding(mesh):
