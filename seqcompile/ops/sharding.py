@@ -36,8 +36,9 @@ Shape = tuple[int, ...]
 try:  # a torch built without distributed support has no DTensor
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import Placement
-except ImportError:  # pragma: no cover
+except ImportError:  # pragma: no cover  (the rules are then never called)
     Placement = Any  # type: ignore[misc,assignment]
+    Partial = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 
 @dataclasses.dataclass(frozen=True)
