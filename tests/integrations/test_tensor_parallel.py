@@ -296,6 +296,22 @@ def test_a_norm_on_dtensors_fuses_only_where_its_rows_are_sharded(one_rank_mesh,
         )
 
 
+def test_a_norm_on_sequence_shards_fuses_at_symbolic_sizes(one_rank_mesh):
+    """Compiled with dynamic shapes, one graph serves two sequence lengths."""
+    compiled = torch.compile(_norm_of_sum, backend="seqfast", dynamic=True)
+    place = [Shard(1), Shard(1), Replicate(), Replicate()]
+    with collecting() as report:
+        for length in (LENGTH, LENGTH + 4):
+            g = torch.Generator().manual_seed(length)
+            whole = [torch.randn(BATCH, length, WIDTH, generator=g) for _ in "xr"]
+            whole += [torch.randn(WIDTH, generator=g) for _ in "wb"]
+            pairs = zip(whole, place, strict=True)
+            inputs = [distribute_tensor(t, one_rank_mesh, [p]) for t, p in pairs]
+            got = compiled(*inputs).full_tensor()
+            torch.testing.assert_close(got, _norm_of_sum(*whole))
+    assert report.counts["norm"] == 1 and len(report.graphs) == 1, str(report)
+
+
 def test_an_op_on_dtensors_whose_trace_fails_is_kept_whole(one_rank_mesh, monkeypatch):
     """The failure comes after the op's nodes were traced: they are taken out, the op is
     recorded as one node that DTensor runs, and the rest still fuses."""
