@@ -45,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from seqcompile import autocast, custom_function
 from seqcompile.custom_function import AUTOGRAD_FUNCTION, has_one_output
-from seqcompile.fx_utils import grad_enabled_at, is_dtensor, site_name
+from seqcompile.fx_utils import erase_unused, grad_enabled_at, is_dtensor, site_name
 from seqcompile.report import Missed
 
 
@@ -111,9 +111,8 @@ class _CaptureInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
-        if n.op not in ("call_function", "call_method") or n.target is CHECKPOINT:
-            return super().run_node(n)
-        if not _on_dtensors(n):
+        calls = n.op in ("call_function", "call_method") and n.target is not CHECKPOINT
+        if not calls or not _on_dtensors(n):
             return super().run_node(n)
         if not _dtensor_conversion(n):
             graph = get_proxy_mode().tracer.graph
@@ -121,8 +120,7 @@ class _CaptureInterpreter(torch.fx.Interpreter):
             try:
                 return super().run_node(n)
             except Exception:  # kept whole instead, as DTensor runs it eagerly
-                for traced in reversed([m for m in graph.nodes if m not in before]):
-                    graph.erase_node(traced)
+                erase_unused(m for m in graph.nodes if m not in before)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         self.on_dtensors[n.target if n.op == "call_method" else _name(n.target)] += 1
         if n.op == "call_method":

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from seqcompile.fx_utils import is_dtensor
 from seqcompile.ops.fused_op import Call
+from seqcompile.ops.samples import tensor_slots
 
 OpOverload = torch._ops.OpOverload
 Shape = tuple[int, ...]
@@ -119,10 +121,8 @@ def refusal(op: OpOverload, rule: Rule, call: Call) -> str | None:
     """Why a call of `op` on DTensors (`call` holds fake values) cannot run on the shards as
     they are placed, or None where it can (no DTensor among its tensors, every one replicated,
     or their placements a strategy of the rule along every mesh dimension)."""
-    from torch.distributed.tensor import DTensor
-
-    tensors = {slot: value for slot, value in _tensor_slots(call) if value is not None}
-    dtensors = {slot: t for slot, t in tensors.items() if isinstance(t, DTensor)}
+    tensors = dict(tensor_slots({name: call.value(name) for name in call}))
+    dtensors = {slot: t for slot, t in tensors.items() if is_dtensor(t)}
     if not dtensors:
         return None
     plain = [slot for slot, t in tensors.items() if slot not in dtensors and t.numel() != 1]
@@ -147,19 +147,6 @@ def refusal(op: OpOverload, rule: Rule, call: Call) -> str | None:
             " which DTensor does not run"
         )
     return None
-
-
-def _tensor_slots(call: Call) -> Iterable[tuple[str, Any]]:
-    for name in call:
-        value = call.value(name)
-        if isinstance(value, list | tuple):
-            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if _tensor(v))
-        elif _tensor(value):
-            yield name, value
-
-
-def _tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
 
 
 def _as_spec(value: Any) -> Any:

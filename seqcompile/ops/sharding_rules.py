@@ -134,34 +134,35 @@ def _attention_dims(call: Call) -> tuple[Shape, tuple[int, ...]]:
 HEADS = "the batch, or the heads where both head counts divide by the mesh's size"
 
 
-@shards(HEADS)
-def attention_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
+def _attention(call: Call, by_head: tuple[str, ...], placed_outputs) -> list[Strategy]:
+    """Along each dimension a rule may shard: the tensors `by_head` sharded, the auxiliary ones
+    where they are not broadcast, the outputs as `placed_outputs(scores, dim)` puts them."""
     _no_dropout(call)
     scores, dims = _attention_dims(call)
     options = []
     for d in dims:
         inputs = {name: along(shape_of(call[name]), scores, d)
                   for name in _AUXILIARY if is_spec(call[name])}  # fmt: skip
-        inputs |= {name: Shard(d) for name in ("q", "k", "v")}
-        options.append(Strategy([Shard(d)] * len(outputs), inputs))
+        inputs |= {name: Shard(d) for name in by_head}
+        options.append(Strategy(placed_outputs(scores, d), inputs))
     return options
+
+
+@shards(HEADS)
+def attention_forward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
+    return _attention(call, ("q", "k", "v"), lambda scores, d: [Shard(d)] * len(outputs))
 
 
 @shards(HEADS)
 def attention_backward(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
     """q, k, v and the forward's results sharded; a learned bias's gradient sharded where the
     bias is, partial where it broadcasts along the sharded dimension."""
-    _no_dropout(call)
-    scores, dims = _attention_dims(call)
-    options = []
-    for d in dims:
-        inputs = {name: along(shape_of(call[name]), scores, d)
-                  for name in _AUXILIARY if is_spec(call[name])}  # fmt: skip
-        by_head = ("grad_out", "q", "k", "v", "out", "row_max", "log_sum")
-        inputs |= {name: Shard(d) for name in by_head}
-        grads = [Shard(d)] * 3 + [along(s, scores, d, reduced=True) for s in outputs[3:]]
-        options.append(Strategy(grads, inputs))
-    return options
+
+    def grads(scores: Shape, d: int) -> list:
+        return [Shard(d)] * 3 + [along(s, scores, d, reduced=True) for s in outputs[3:]]
+
+    by_head = ("grad_out", "q", "k", "v", "out", "row_max", "log_sum")
+    return _attention(call, by_head, grads)
 
 
 ANY = "any dimension of the region's shape (an input broadcast along it replicated)"

@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from seqcompile.fx_evaluate import Evaluator
 from seqcompile.fx_utils import (
     depends_on,
+    erase_unused,
     in_layout_of,
     insert_call,
     site_name,
@@ -192,8 +193,7 @@ def _apply(ctx: FuseContext, family: str, node: Node, rewrite: Rewrite) -> None:
         with graph.inserting_before(node):
             rewrite(ctx)
     except Refused as refused:
-        for inserted in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(inserted)
+        erase_unused(n for n in graph.nodes if n not in before)
         ctx.forget_erased_seeds()
         ctx.report.missed.append(Missed(site_name(node), family, str(refused)))
         return
