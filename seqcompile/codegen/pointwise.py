@@ -182,15 +182,27 @@ def _to_copy(node: Node, a: list[str], p: _Printer) -> str:
     return a[0] if dtype is None else p.cast(a[0], dtype)
 
 
+def _in_dtype(value: Any, dtype: torch.dtype) -> str:
+    """A constant as an op of `dtype` writes it: torch converts the scalar to the tensor's dtype
+    (`masked_fill` of a boolean tensor with -inf writes True, of an integer one with -0.4 writes
+    0)."""
+    if isinstance(value, Node):
+        raise Unprintable(f"constant {value} computed by the graph")
+    return _literal(torch.tensor(value, dtype=dtype).item())
+
+
 def _constant(value_index: int) -> _Rule:
     def rule(node: Node, a: list[str], p: _Printer) -> str:
         value = node.args[value_index] if value_index >= 0 else -value_index - 1
-        dtype = node.meta["val"].dtype
-        if dtype is torch.bool:
-            return _literal(bool(value))
-        return _literal(float(value) if dtype.is_floating_point else int(value))
+        return _in_dtype(value, node.meta["val"].dtype)
 
     return rule
+
+
+def _masked_fill(node: Node, a: list[str], p: _Printer) -> str:
+    value = node.args[2]
+    fill = a[2] if isinstance(value, Node) else _in_dtype(value, node.meta["val"].dtype)
+    return f"tl.where({a[1]}, {fill}, {a[0]})"
 
 
 def _clamp(node: Node, a: list[str], p: _Printer) -> str:
@@ -337,8 +349,8 @@ _RULES: dict[Any, _Rule] = {
     aten.neg.default: lambda n, a, p: f"(-{a[0]})",
     aten.reciprocal.default: lambda n, a, p: f"(1.0 / {a[0]})",
     aten.where.self: lambda n, a, p: f"tl.where({a[0]}, {a[1]}, {a[2]})",
-    aten.masked_fill.Scalar: lambda n, a, p: f"tl.where({a[1]}, {a[2]}, {a[0]})",
-    aten.masked_fill.Tensor: lambda n, a, p: f"tl.where({a[1]}, {a[2]}, {a[0]})",
+    aten.masked_fill.Scalar: _masked_fill,
+    aten.masked_fill.Tensor: _masked_fill,
     aten.logical_not.default: lambda n, a, p: f"({a[0]} == 0)",
     aten.logical_and.default: _logical("&"),
     aten.logical_or.default: _logical("|"),
@@ -495,8 +507,20 @@ def _print_nodes(gm: GraphModule, names: dict[Node, str], printer: _Printer) -> 
             if not isinstance(a, torch.dtype | torch.device | torch.layout | str | list)
         ]
         var = names[node] = f"v_{node.name}"
-        lines.append(f"{var} = {rule(node, args, printer)}")
+        lines.append(f"{var} = {_in_kind(rule(node, args, printer), node)}")
     return lines
+
+
+def _in_kind(expression: str, node: Node) -> str:
+    """`expression` held as `node`'s boolean or integer dtype holds it: Triton promotes an op's
+    operands among themselves, where torch writes the result in the op's own dtype (a boolean
+    `where` of a float branch is a boolean, an integer sum wraps at its width)."""
+    dtype = node.meta["val"].dtype
+    if dtype is torch.bool:
+        return f"({expression} != 0)"
+    if not dtype.is_floating_point and dtype in _TL_DTYPES:
+        return f"{expression}.to({_TL_DTYPES[dtype]})"
+    return expression
 
 
 def jit_function(gm: GraphModule, name: str) -> tuple[str, ...]:
