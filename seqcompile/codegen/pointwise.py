@@ -119,7 +119,7 @@ def _pow(x: str, exponent: Any) -> str:
         return _SMALL_POWERS[exponent].format(x=x)
     magnitude = f"tl.exp2({_literal(float(exponent))} * tl.log2(tl.abs({x})))"
     if float(exponent).is_integer():
-        return f"(sign({x}) * {magnitude})" if int(exponent) % 2 else magnitude
+        return f"signed_like({magnitude}, {x})" if int(exponent) % 2 else magnitude
     return f"tl.exp2({_literal(float(exponent))} * tl.log2({x}))"
 
 
@@ -141,7 +141,7 @@ def _scalar_base_pow(node: Node, a: list[str], p: _Printer) -> str:
     if base > 0:
         return magnitude
     odd = f"({x} - 2.0 * tl.floor({x} * 0.5) == 1.0)"
-    signed = f"tl.where({odd}, -{magnitude}, {magnitude})"
+    signed = f"tl.where({odd}, {magnitude} * -1.0, {magnitude})"
     return f'tl.where({x} == tl.floor({x}), {signed}, float("nan"))'
 
 
@@ -250,19 +250,74 @@ def _quotient(node: Node, a: list[str], p: _Printer) -> str:
 
 
 def _modulo(floored: bool) -> _Rule:
-    """fmod (the remainder of the truncated quotient) and remainder (of the floored one); on
-    integers Triton's `%` truncates, and the floored remainder takes the divisor's sign."""
+    """fmod (the remainder of the truncated quotient) and remainder (of the floored one).
+    Triton's `%` is C's: it truncates on integers and is fmod, exact, on floats; the floored
+    remainder takes the divisor's sign."""
 
     def rule(node: Node, a: list[str], p: _Printer) -> str:
-        if not node.meta["val"].dtype.is_floating_point:
-            if not floored:
-                return f"({a[0]} % {a[1]})"
-            r = f"({a[0]} % {a[1]})"
-            return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
-        q = f"tl.floor({a[0]} / {a[1]})" if floored else f"trunc({a[0]} / {a[1]})"
-        return f"({a[0]} - {q} * {a[1]})"
+        r = f"({a[0]} % {a[1]})"
+        if not floored:
+            return r
+        return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
 
     return rule
+
+
+def _negated(node: Node, a: list[str], p: _Printer) -> str:
+    """Triton's unary minus is 0 - x, which loses a zero's sign: floats are multiplied."""
+    return f"({a[0]} * -1.0)" if node.meta["val"].dtype.is_floating_point else f"(-{a[0]})"
+
+
+def _lerp(node: Node, a: list[str], p: _Printer) -> str:
+    """torch's formula: (weight, or weight - 1 from 0.5 up) * (end - start) + (start, or end),
+    which it fuses into one rounding; where the product alone overflows, the same at half scale
+    doubled."""
+    start, end = a[0], a[1]
+    weight = a[2] if isinstance(node.args[2], Node) else _literal(node.args[2])
+    small = f"(tl.abs({weight}) < 0.5)"
+    coeff = f"tl.where({small}, {weight}, {weight} - 1.0)"
+    base = f"tl.where({small}, {start}, {end})"
+    diff = f"({end} - {start})"
+    plain = f"({coeff} * {diff} + {base})"
+    halved = f"((0.5 * {coeff}) * {diff} + 0.5 * {base}) * 2.0"
+    inf = _literal(math.inf)
+    return f"tl.where((tl.abs({plain}) == {inf}) & (tl.abs({halved}) < {inf}), {halved}, {plain})"
+
+
+def _add_product(divide: bool) -> _Rule:
+    """addcmul and addcdiv: self + value * t1 * t2 (or t1 / t2). An infinite self stays itself
+    where the product is finite in exact arithmetic, though it overflows in float32."""
+
+    def rule(node: Node, a: list[str], p: _Printer) -> str:
+        this, t1, t2 = a[0], a[1], a[2]
+        inf = _literal(math.inf)
+        value = _literal(node.kwargs.get("value", 1))
+        if divide:
+            term, finite = f"({t1} / {t2})", f"(tl.abs({t1}) < {inf}) & (tl.abs({t2}) > 0)"
+        else:
+            term, finite = f"({t1} * {t2})", f"(tl.abs({t1}) < {inf}) & (tl.abs({t2}) < {inf})"
+        stays = f"(tl.abs({this}) == {inf}) & {finite}"
+        return f"tl.where({stays}, {this}, {this} + {value} * {term})"
+
+    return rule
+
+
+def _softshrink(node: Node, a: list[str], p: _Printer) -> str:
+    lambd = _literal(node.args[1] if len(node.args) > 1 else 0.5)
+    x = a[0]
+    inside = f"tl.where({x} != {x}, {x}, 0.0)"
+    return (
+        f"tl.where({x} > {lambd}, {x} - {lambd}, tl.where({x} < -{lambd}, {x} + {lambd}, {inside}))"
+    )
+
+
+def _tanh_backward(node: Node, a: list[str], p: _Printer) -> str:
+    """grad * (1 - y^2) as grad * (1 - y)(1 + y) (exact near |y| = 1); where that product
+    overflows, the gradient scales it first."""
+    g, y = a[0], a[1]
+    factor = f"((1.0 - {y}) * (1.0 + {y}))"
+    wide = f"(({g} * (1.0 - {y})) * (1.0 + {y}))"
+    return f"tl.where(tl.abs({factor}) == {_literal(math.inf)}, {wide}, {g} * {factor})"
 
 
 def _polygamma(order: Any, x: str) -> str:
@@ -346,7 +401,7 @@ _RULES: dict[Any, _Rule] = {
     aten.mul.Scalar: lambda n, a, p: f"({a[0]} * {a[1]})",
     aten.div.Tensor: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
     aten.div.Scalar: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
-    aten.neg.default: lambda n, a, p: f"(-{a[0]})",
+    aten.neg.default: _negated,
     aten.reciprocal.default: lambda n, a, p: f"(1.0 / {a[0]})",
     aten.where.self: lambda n, a, p: f"tl.where({a[0]}, {a[1]}, {a[2]})",
     aten.masked_fill.Scalar: _masked_fill,
@@ -365,12 +420,12 @@ _RULES: dict[Any, _Rule] = {
     aten.threshold_backward.default: lambda n, a, p: f"tl.where({a[1]} <= {a[2]}, 0, {a[0]})",
     aten.gelu.default: _gelu,
     aten.gelu_backward.default: _gelu_backward,
-    aten.silu.default: lambda n, a, p: f"({a[0]} * tl.sigmoid({a[0]}))",
+    aten.silu.default: lambda n, a, p: f"({a[0]} * sigmoid({a[0]}))",
     aten.silu_backward.default: lambda n, a, p: f"silu_grad({a[0]}, {a[1]})",
-    aten.sigmoid.default: _unary("tl.sigmoid"),
+    aten.sigmoid.default: _unary("sigmoid"),
     aten.sigmoid_backward.default: lambda n, a, p: f"({a[0]} * {a[1]} * (1.0 - {a[1]}))",
     aten.tanh.default: _unary("tanh"),
-    aten.tanh_backward.default: lambda n, a, p: f"({a[0]} * (1.0 - {a[1]} * {a[1]}))",
+    aten.tanh_backward.default: _tanh_backward,
     aten.exp.default: _unary("tl.exp"),
     aten.log.default: _unary("tl.log"),
     aten.sqrt.default: _unary("tl.sqrt"),
@@ -428,9 +483,7 @@ _RULES: dict[Any, _Rule] = {
     aten.lgamma.default: _unary("lgamma"),
     aten.digamma.default: _unary("digamma"),
     aten.polygamma.default: lambda n, a, p: _polygamma(n.args[0], p.as_float(a[1], n.args[1])),
-    aten.special_ndtri.default: lambda n, a, p: (
-        f"(1.4142135623730951 * erfinv(2.0 * {p.as_float(a[0], n.args[0])} - 1.0))"
-    ),
+    aten.special_ndtri.default: _unary("ndtri"),
     aten.atan2.default: _float_binary("atan2"),
     aten.nextafter.default: _nextafter,
     aten.hypot.default: _float_binary("hypot"),
@@ -438,7 +491,8 @@ _RULES: dict[Any, _Rule] = {
     aten.fmin.default: _float_binary("fmin"),
     aten.pow.Tensor_Tensor: _float_binary("power"),
     aten.copysign.Tensor: lambda n, a, p: (
-        f"tl.where({_signbit(p.as_float(a[1], n.args[1]), p)}, -tl.abs({a[0]}), tl.abs({a[0]}))"
+        f"tl.where({_signbit(p.as_float(a[1], n.args[1]), p)}, tl.abs({a[0]}) * -1.0,"
+        f" tl.abs({a[0]}))"
     ),
     aten.div.Tensor_mode: _quotient,
     aten.fmod.Tensor: _modulo(floored=False),
@@ -458,6 +512,12 @@ _RULES: dict[Any, _Rule] = {
     ),
     aten.hardtanh.default: _hardtanh,
     aten.hardshrink_backward.default: _shrink_backward,
+    aten.softshrink.default: _softshrink,
+    aten.sinc.default: _unary("sinc"),
+    aten.lerp.Scalar: _lerp,
+    aten.lerp.Tensor: _lerp,
+    aten.addcmul.default: _add_product(divide=False),
+    aten.addcdiv.default: _add_product(divide=True),
     aten.softshrink_backward.default: _shrink_backward,
 }
 for _name, _op in (

@@ -57,7 +57,7 @@ SERIES = {
 
 
 FUNCTIONS = re.compile(
-    r"\b(erfc|erfcx|log_ndtr|bessel_i0e|bessel_i1e|unscaled|polygamma|nextafter)\("
+    r"\b(erfc|erfcx|log_ndtr|ndtri|bessel_i0e|bessel_i1e|unscaled|polygamma|nextafter)\("
 )
 """The helpers of `pointwise_special.py.jinja` a kernel's code calls by name."""
 

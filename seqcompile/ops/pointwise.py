@@ -25,6 +25,7 @@ from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops import samples_pointwise, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
 from seqcompile.ops.random import keep_mask
+from seqcompile.ops.wide_evaluation import widened
 from seqcompile.run import runtime
 
 Tensor = torch.Tensor
@@ -245,12 +246,13 @@ def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: st
 
 
 def reference(inputs: list[Tensor], seed: Tensor | None, stream: int, region: str) -> list[Tensor]:
-    """The region's traced forward, masks drawn from the seed as the kernel draws them."""
+    """The region's forward, each op as the program calls it (in float64 where torch's float32
+    kernels depend on the machine), masks drawn from the seed as the kernel draws them."""
     program = regions.lookup(region)
     shape = _shape(inputs)
     dtypes = regions.output_dtypes(program, [t.dtype for t in inputs])
     masks = [keep_mask(seed, shape, stream + k, p) for k, p in enumerate(program.dropout_p)]
-    results = program.forward(*inputs, *masks)
+    results = widened(program.written)(*inputs, *masks)
     return [r.to(d).expand(shape).contiguous() for r, d in zip(results, dtypes, strict=True)]
 
 
@@ -328,7 +330,7 @@ def backward_reference(
         program.num_inputs + len(masks) :
     ]
     grads = [g.to(d) for g, d in zip(grads, grad_dtypes, strict=True)]
-    results = plan.graph(*inputs, *masks, *grads)
+    results = widened(plan.graph)(*inputs, *masks, *grads)
     return [r.to(d).expand(shape).contiguous() for r, d in zip(results, out_dtypes, strict=True)]
 
 

@@ -60,7 +60,13 @@ class Region:
 
     key: str
     forward: GraphModule
-    """Placeholders: the region inputs, then one bool keep-mask per dropout; returns the outputs."""
+    """Placeholders: the region inputs, then one bool keep-mask per dropout; returns the outputs.
+    Ops the kernel printer does not spell are written in terms of those it does (torch's
+    decompositions)."""
+    written: GraphModule
+    """The same, each op as the program calls it (`softplus`, `lerp`, not their decompositions):
+    what the reference computes, in float64 where torch's float32 kernels depend on the machine
+    (`wide_evaluation`)."""
     input_dtypes: tuple[torch.dtype, ...]
     """Dtypes of the inputs when the region was captured (the graph is traced with them)."""
     weak: tuple[bool, ...]
@@ -161,19 +167,21 @@ def _decompositions() -> dict:
     }
 
 
-def trace(fn, inputs: Sequence[StandIn]) -> GraphModule:
-    """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own (`in_own_thread`)."""
+def trace(fn, inputs: Sequence[StandIn], decompose: bool = True) -> GraphModule:
+    """Trace `fn` on fake stand-ins for `inputs`, in a thread of its own (`in_own_thread`), with
+    the ops the printer does not spell decomposed where `decompose`."""
+    table = _decompositions() if decompose else {}
 
     def traced_here() -> GraphModule:
         with FakeTensorMode(), torch.enable_grad():
             stand_ins = [
                 torch.empty(_STAND_IN, dtype=dtype, requires_grad=grad) for dtype, grad in inputs
             ]
-            traced = make_fx(fn, decomposition_table=_decompositions())(*stand_ins)
+            traced = make_fx(fn, decomposition_table=table)(*stand_ins)
             # autograd's formulas may write in place (clamp's mask): retrace without mutations
             plain = [t.detach() for t in stand_ins]
             functional = functionalize(traced, remove="mutations_and_views")
-            return _clean(make_fx(functional, decomposition_table=_decompositions())(*plain))
+            return _clean(make_fx(functional, decomposition_table=table)(*plain))
 
     try:
         return in_own_thread(traced_here)
@@ -192,8 +200,8 @@ def register(
     A `name` (a user pattern's) starts the key, so the kernels rendered for the region carry it."""
     module = GraphModule(torch.nn.Module(), graph)
     inputs = [(d, False) for d in input_dtypes] + [(torch.bool, False) for _ in dropout_p]
-    forward = trace(module, inputs)
-    text = f"{forward.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
+    forward, written = trace(module, inputs), trace(module, inputs, decompose=False)
+    text = f"{forward.code}|{written.code}|{tuple(input_dtypes)}|{tuple(weak)}|{tuple(dropout_p)}"
     # a Function's forward traces inline: its key (its own backward) must tell the regions apart
     calls = [n for n in graph.nodes if n.target is apply_one]
     text += "".join(f"|{n.args[0]}" for n in calls)
@@ -203,7 +211,7 @@ def register(
     region = _registry.get(key)
     if region is None:
         region = Region(
-            key, forward, tuple(input_dtypes), tuple(weak), tuple(dropout_p), name,
+            key, forward, written, tuple(input_dtypes), tuple(weak), tuple(dropout_p), name,
             module if calls else None,
         )  # fmt: skip
         _registry[key] = region

@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
 from seqcompile.ops.pointwise_region import UnsupportedRegion, trace
+from seqcompile.ops.wide_evaluation import widened
 
 Tensor = torch.Tensor
 
@@ -68,5 +69,5 @@ def lookup(key: str) -> ScoreMod:
 
 def apply(key: str, x: Tensor) -> tuple[Tensor, Tensor]:
     """g(x) and g'(x) of float32 scores (the reference implementation's)."""
-    y, slope = lookup(key).graph(x.float())
+    y, slope = widened(lookup(key).graph)(x.float())
     return y.expand_as(x), slope.expand_as(x)

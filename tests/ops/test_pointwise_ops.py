@@ -21,7 +21,7 @@ _CONSTANTS = {"Scalar": 0.75, "int": 1, "float": 0.75, "bool": False}
 _DOMAINS = [(-2.0, 2.0), (0.1, 0.9), (1.1, 3.0)]
 
 
-def _arguments(op):
+def constant_arguments(op):
     """The op's positional arguments: each Tensor a slot (None), every other argument its
     default or a plain constant; None where the schema takes something else."""
     args = []
@@ -65,7 +65,7 @@ def _call(op, args):
 def _sample(op):
     """(fn, args, float64 inputs) where the op is defined and differentiable; None where it
     has no derivative formula."""
-    args = _arguments(op)
+    args = constant_arguments(op)
     if args is None:
         return None
     for domain in _DOMAINS:
