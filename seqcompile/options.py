@@ -17,6 +17,14 @@ from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+
+def switch_on(name: str) -> bool:
+    """Whether the environment switch `name` (a debug switch, not an option: `SEQFAST_INTERPRET`,
+    `SEQFAST_POISON`, `SEQFAST_STRICT`) is set to a true value."""
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
 REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")
 LOG_CHOICES = ("debug", "info", "warning", "error")

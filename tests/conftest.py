@@ -23,6 +23,9 @@ os.environ["SEQFAST_REST"] = "eager"
 # On CUDA every launch runs its default configuration: tuning at each of the tests' many sizes
 # would time every candidate again; the GPU tier tests each candidate and tuning itself.
 os.environ["SEQFAST_AUTOTUNE"] = "0"
+# An error while a pattern reads or rewrites a site fails the test instead of leaving the site
+# unfused (a test that checks the lenient path unsets it with monkeypatch).
+os.environ["SEQFAST_STRICT"] = "1"
 
 import pytest  # noqa: E402
 

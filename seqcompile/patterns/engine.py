@@ -1,20 +1,25 @@
 """The fuse stage's machinery: a pattern looks at one anchor node and answers with a rewrite, a
 `Reject` (recognized, but the kernel cannot take it, and why), or None (not its anchor). The engine
-runs the patterns over a graph, applies rewrites, and records counts and refusals in the report."""
+runs the patterns over a graph, applies rewrites, and records counts and refusals in the report.
+An error while a site is read or rewritten leaves that site unfused, the graph as it was, and the
+error in the report and a warning; under `SEQFAST_STRICT=1` (the test suite) it is raised."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
+import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
 from seqcompile.fx_evaluate import Evaluator
 from seqcompile.fx_utils import (
     depends_on,
-    erase_unused,
     in_layout_of,
     insert_call,
     site_name,
@@ -25,10 +30,21 @@ from seqcompile.ops import sharding
 from seqcompile.ops.fused_op import Call, by_name
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.ops.registry import entry_of
-from seqcompile.options import Options
+from seqcompile.options import Options, switch_on
 from seqcompile.report import CompileReport, Missed
 
 aten = torch.ops.aten
+log = logging.getLogger("seqcompile")
+T = TypeVar("T")
+
+STRICT_ENV = "SEQFAST_STRICT"
+"""Set to 1, an error raised while a site is read or rewritten fails the compile instead of
+leaving the site unfused: the test suite runs so, so that no bug hides behind a missed site."""
+
+
+def strict() -> bool:
+    """Whether `SEQFAST_STRICT` asks for errors to be raised."""
+    return switch_on(STRICT_ENV)
 
 
 class Reject:
@@ -45,10 +61,15 @@ class Reject:
         return f"Reject({self.reason!r})"
 
 
+class ReadingFailed(Reject):
+    """The reading of a site raised (`read_site`): the site is missed, the error its reason."""
+
+
 class Refused(Exception):
     """Raised by a rewrite that finds, as it builds its fused call, that the call cannot run on
     the graph's values (a fused op on DTensors placed as no sharding rule of it takes): the engine
-    takes out what the rewrite inserted and records the reason as a refusal."""
+    puts the graph back as the rewrite found it (`rewritten`) and records the reason as a
+    refusal."""
 
 
 def dtensor_refusal(op: Any, args: tuple) -> str | None:
@@ -106,6 +127,8 @@ class FuseContext:
     code that computes a value (its own generator: torch's is left as it was)."""
     _seeds: dict[torch.device, Node] = dataclasses.field(default_factory=dict)
     _streams: int = 0
+    _warned: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    """The errors warned about so far, as (type, message): each is warned about once."""
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         node = insert_call(self.gm.graph, self.fake_mode, target, args, kwargs)
@@ -177,30 +200,112 @@ class FuseContext:
     def fused(self, family: str, anchor: Node) -> None:
         self.sites[site_key(family, anchor)] = site_name(anchor)
 
+    def failed(self, family: str, node: Node, step: str, error: Exception) -> str:
+        """Why the site at `node` is left unfused: `error`, raised by `family` while `step` it (a
+        seqcompile bug). Warned about once per distinct error, with the traceback logged at debug
+        level; raised again under `SEQFAST_STRICT`."""
+        if strict():
+            raise error
+        name, message = type(error).__name__, " ".join(str(error).split())
+        reason = (
+            f"{family} raised {name} while {step} this site, so it is left unfused: {message}"
+            f" (a seqcompile bug; {STRICT_ENV}=1 raises it)"
+        )
+        log.debug("%s at %s", reason, site_name(node), exc_info=error)
+        if (name, message) not in self._warned:
+            self._warned.add((name, message))
+            warnings.warn(f"seqfast: {site_name(node)}: {reason}", stacklevel=2)
+        return reason
+
 
 def site_key(family: str, anchor: Node) -> str:
     """A fused site's name, the same in every compile of the graph."""
     return f"{family}:{anchor.name}"
 
 
-def _apply(ctx: FuseContext, family: str, node: Node, rewrite: Rewrite) -> None:
-    """Apply `rewrite` at `node` and count the site, or, where it is `Refused`, take out the
-    nodes it inserted (none of which the graph reads yet) and record why."""
+def read_site(
+    ctx: FuseContext, family: str, node: Node, read: Callable[..., T], *args: Any
+) -> T | Reject:
+    """`read(*args)`, `family`'s reading of the site at `node`, or where it raises, the refusal
+    that says so (`FuseContext.failed`)."""
+    try:
+        return read(*args)
+    except Exception as error:  # a bug in the reading: the site is missed, the rest fuses
+        return ReadingFailed("{}", ctx.failed(family, node, "reading", error))
+
+
+class _Checkpoint:
+    """The graph as a rewrite found it, put back where the rewrite raises half-way: its nodes in
+    order and what each reads. A node the rewrite erases stays in the graph, reading nothing,
+    until the rewrite has returned (`commit`), so that `restore` can give it back its inputs."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.order = list(graph.nodes)
+        self.inputs = [(n.args, n.kwargs) for n in self.order]  # (cheaper than a dict by node)
+        self.known = set(self.order)
+        self.erased: dict[Node, None] = {}
+        graph.erase_node = self._erase  # type: ignore[method-assign]
+
+    def _erase(self, node: Node) -> None:
+        if node not in self.known or node.users:
+            Graph.erase_node(self.graph, node)  # (with readers, raises FX's error naming them)
+            return
+        node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda _: None)
+        self.erased[node] = None
+
+    def _release(self) -> None:
+        self.graph.__dict__.pop("erase_node", None)
+
+    def commit(self) -> None:
+        self._release()
+        read = [n.name for n in self.erased if n.users]
+        if read:
+            raise RuntimeError(f"the rewrite erased {read} but the graph still reads them")
+        for node in self.erased:
+            self.graph.erase_node(node)
+
+    def restore(self) -> None:
+        """Take out the nodes the rewrite inserted, and give the graph's own their inputs and
+        order back."""
+        self._release()
+        for node, (args, kwargs) in zip(self.order, self.inputs, strict=True):
+            if node.args is not args or node.kwargs is not kwargs:
+                node.args, node.kwargs = args, kwargs
+        inserted = [n for n in self.graph.nodes if n not in self.known]
+        for node in inserted:
+            node.args, node.kwargs = (), {}
+        for node in inserted:
+            self.graph.erase_node(node)
+        if list(self.graph.nodes) != self.order:
+            for before, node in itertools.pairwise(self.order):
+                before.append(node)
+
+
+def rewritten(ctx: FuseContext, family: str, node: Node, rewrite: Rewrite) -> bool:
+    """Apply `rewrite` at the site at `node` (inserting before it unless the rewrite says where);
+    whether it applied. Where it is `Refused`, or raises (`FuseContext.failed`), the graph is put
+    back as the rewrite found it and the site reported missed."""
     graph = ctx.gm.graph
-    before = set(graph.nodes)
+    checkpoint = _Checkpoint(graph)
     ctx.site = node
     try:
         with graph.inserting_before(node):
             rewrite(ctx)
-    except Refused as refused:
-        erase_unused(n for n in graph.nodes if n not in before)
+        checkpoint.commit()
+    except Exception as error:  # Refused, or a bug in the rewrite: the site is missed
+        checkpoint.restore()
         ctx.forget_erased_seeds()
-        ctx.report.missed.append(Missed(site_name(node), family, str(refused)))
-        return
+        reason = (
+            str(error)
+            if isinstance(error, Refused)
+            else ctx.failed(family, node, "rewriting", error)
+        )
+        ctx.report.missed.append(Missed(site_name(node), family, reason))
+        return False
     finally:
         ctx.site = None
-    ctx.fused(family, node)
-    ctx.report.counts[family] += 1
+    return True
 
 
 def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
@@ -209,13 +314,14 @@ def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
         if node.op != "call_function" or getattr(node, "_erased", False):
             continue
         for pattern in patterns:
-            found = pattern.find(node, ctx)
+            found = read_site(ctx, pattern.family, node, pattern.find, node, ctx)
             if found is None:
                 continue
             if isinstance(found, Reject):
                 ctx.report.missed.append(Missed(site_name(node), pattern.family, found.reason))
-            elif ctx.admits(pattern.family, node):
-                _apply(ctx, pattern.family, node, found)
+            elif ctx.admits(pattern.family, node) and rewritten(ctx, pattern.family, node, found):
+                ctx.fused(pattern.family, node)
+                ctx.report.counts[pattern.family] += 1
             break
     ctx.gm.graph.eliminate_dead_code()  # what fed only replaced nodes (a causal mask's builders)
     ctx.gm.graph.lint()

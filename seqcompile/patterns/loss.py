@@ -96,7 +96,8 @@ def _read_loss(node: Node) -> Loss | Reject | None:
     smoothing = float(arg(node, 5, "label_smoothing", 0.0))
     xv, tv = tensor_val(x), tensor_val(target)
     if xv is None or xv.dim() < 2:
-        return Reject("logits of rank {} (the fused loss takes classes on dim 1)", xv.dim())
+        rank = "not a tensor" if xv is None else f"of rank {xv.dim()}"
+        return Reject("logits {} (the fused loss takes classes on dim 1)", rank)
     soft = tv is not None and tv.dtype.is_floating_point
     if soft:
         why = _why_not_soft(xv, tv)

@@ -10,6 +10,7 @@ A pointwise user pattern's match becomes a region of its own, named after the pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.fx import Graph, Node
@@ -30,7 +31,15 @@ from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.fused_op import by_name
-from seqcompile.patterns.engine import FuseContext, Reject, Rewrite, dtensor_refusal
+from seqcompile.patterns.engine import (
+    FuseContext,
+    ReadingFailed,
+    Reject,
+    Rewrite,
+    dtensor_refusal,
+    read_site,
+    rewritten,
+)
 from seqcompile.patterns.pointwise_ops import element_wise, refusal, unsupported_ops
 from seqcompile.report import Missed
 
@@ -133,6 +142,15 @@ class _Regions:
         return list(unique.values())
 
 
+def _refusal(ctx: FuseContext, node: Node) -> Reject | None:
+    """Why `node` cannot join a region (None: it can); where reading it raises, why it joins none
+    (reported, as the site it would have been)."""
+    why = read_site(ctx, FAMILY, node, refusal, node)
+    if isinstance(why, ReadingFailed):
+        ctx.report.missed.append(Missed(site_name(node), FAMILY, why.reason))
+    return why
+
+
 def _worth_fusing(nodes: list[Node]) -> bool:
     if any(n.target in (aten.dropout.default, apply_one) for n in nodes):
         return True  # (a custom Function alone is many ops in eager)
@@ -147,28 +165,30 @@ def _fold_linear_biases(ctx: FuseContext, ok: dict[Node, bool]) -> None:
             continue
         users = list(node.users)
         out = tensor_val(node)
-        if not users or not all(
+        if users and all(
             ok.get(u) and u.target not in _CASTS and same_shape(tensor_val(u), out) for u in users
         ):
-            continue
-        bias = arg(node, 2, "bias")
-        ctx.site = node
-        with ctx.gm.graph.inserting_after(node):
-            bare = ctx.call(aten.linear.default, node.args[0], node.args[1])
-        with ctx.gm.graph.inserting_after(bare):
-            added = ctx.call(aten.add.Tensor, bare, bias)
-        ctx.site = None
-        added.meta[_FOLDED_BIAS] = True
-        node.replace_all_uses_with(added)
-        ctx.gm.graph.erase_node(node)
-        ok[added] = True
+            rewritten(ctx, FAMILY, node, functools.partial(_fold_bias, node, ok))
+
+
+def _fold_bias(linear: Node, ok: dict[Node, bool], ctx: FuseContext) -> Node:
+    """`linear` (with a bias) as `linear(x, w) + b`, the add eligible for a region."""
+    with ctx.gm.graph.inserting_after(linear):
+        bare = ctx.call(aten.linear.default, linear.args[0], linear.args[1])
+    with ctx.gm.graph.inserting_after(bare):
+        added = ctx.call(aten.add.Tensor, bare, arg(linear, 2, "bias"))
+    added.meta[_FOLDED_BIAS] = True
+    linear.replace_all_uses_with(added)
+    ctx.gm.graph.erase_node(linear)
+    ok[added] = True
+    return added
 
 
 def fuse_regions(ctx: FuseContext) -> None:
     """Replace every region worth fusing (two or more computing ops, or a dropout) with one
     `seqfast::pointwise` call."""
     graph = ctx.gm.graph
-    refusals = {n: refusal(n) for n in graph.nodes if n.op == "call_function"}
+    refusals = {n: _refusal(ctx, n) for n in graph.nodes if n.op == "call_function"}
     ok = {n: r is None for n, r in refusals.items()}
     _fold_linear_biases(ctx, ok)
     grouping = _Regions()
@@ -191,11 +211,10 @@ def fuse_regions(ctx: FuseContext) -> None:
             anchor = ctx.anchor(nodes)
             if not ctx.admits(FAMILY, anchor):
                 continue
-            fusion = _fusion(ctx, nodes)
-            if isinstance(fusion, str):
-                ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, fusion))
-            else:
-                fusion(ctx)
+            fusion = read_site(ctx, FAMILY, nodes[-1], _fusion, ctx, nodes)
+            if isinstance(fusion, Reject):
+                ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, fusion.reason))
+            elif rewritten(ctx, FAMILY, nodes[-1], fusion):
                 ctx.fused(FAMILY, anchor)
                 ctx.report.counts[FAMILY] += 1
                 fused.update(nodes)
@@ -237,8 +256,7 @@ def match_region(ctx: FuseContext, nodes: list[Node], name: str) -> Rewrite | Re
     nodes = sorted(nodes, key=order.__getitem__)
     if len(_placeable_parts(nodes, order)) > 1:
         return Reject(USED_EARLY)
-    fusion = _fusion(ctx, nodes, name)
-    return Reject("{}", fusion) if isinstance(fusion, str) else fusion
+    return _fusion(ctx, nodes, name)
 
 
 def _placeable_parts(nodes: list[Node], order: dict[Node, int]) -> list[list[Node]]:
@@ -266,8 +284,8 @@ def _borders(
     """Refused element-wise ops next to a region about to be fused, with their neighbours."""
     borders = {}
     for node, refused in refusals.items():
-        if refused is None or not element_wise(node.target):
-            continue
+        if refused is None or isinstance(refused, ReadingFailed) or not element_wise(node.target):
+            continue  # (a reading that raised is reported already)
         neighbours = (set(node.all_input_nodes) | set(node.users)) & candidates
         if neighbours:
             borders[node] = (refused.reason, neighbours)
@@ -322,7 +340,7 @@ class Cut:
         return regions.register(program, [v.dtype for v in values], weak, drop_p, self.name)
 
 
-def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rewrite | str:
+def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rewrite | Reject:
     """The rewrite that swaps `nodes` (a part `_placeable_parts` gives; a user pattern's match
     when `name` is given) for one fused call, placed after the last of them or, where a value of
     theirs is read outside before that, just before the first such read; or why it cannot be
@@ -343,12 +361,12 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
         # rendered now, so an op the printer lacks refuses the region rather than fail later
         pointwise_op.compile_time_specs(region, values, needs_grad if ctx.training else None)
     except (regions.UnsupportedRegion, Unprintable) as error:
-        return str(error)
+        return Reject("{}", error)
     op, seed = pointwise_op.ENTRY.forward, SEED_STAND_IN if dropouts else None
     args = by_name(op, inputs=inputs, seed=seed, stream=0, region=region.key)
     on_dtensors = dtensor_refusal(op, args)
     if on_dtensors is not None:
-        return on_dtensors
+        return Reject("{}", on_dtensors)
 
     def swap(ctx: FuseContext) -> Node:
         device = tensor_val(last).device

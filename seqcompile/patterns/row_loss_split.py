@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -84,8 +83,21 @@ class Split:
     num_consts: int
 
 
+def _value(node: Node) -> Tensor:
+    """The tensor `node` computes; NotRowWise where it computes something else (the list of a
+    `split`, the tuple of a `max.dim`), which no row value is."""
+    value = node.meta.get("val")
+    if not isinstance(value, Tensor):
+        kind = f"{len(value)} values" if isinstance(value, list | tuple) else type(value).__name__
+        raise NotRowWise(
+            f"{node.target} gives {kind}, not one tensor; the chunked loss reads ops of one"
+            " output (a loss written over the whole logits is chunked by seqfast itself)"
+        )
+    return value
+
+
 def _shape(node: Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
+    return tuple(_value(node).shape)
 
 
 def _row_prefix(shape: tuple[int, ...], rows: int) -> int | None:
@@ -340,7 +352,7 @@ class _Reader:
             new = layout if keep else layout.without(dims)
             self._emit_row(node, node.target, [*args, *node.args[at + 1 :]], node.kwargs, new)
             return
-        if node.target in _SUMS and node.meta["val"].numel() == 1:
+        if node.target in _SUMS and _value(node).numel() == 1:
             self._term(node)
             return
         raise NotRowWise(f"{node.target} over the rows (dims {dims}) is not a sum of every row")
@@ -371,7 +383,7 @@ class _Reader:
         dst, src = node.args[:2]
         if _shape(src) != out or self.layout.get(src) != layout:
             raise NotRowWise(f"a copy into a {out} tensor of a value of another shape")
-        dtype = node.meta["val"].dtype
+        dtype = _value(node).dtype
         self._emit_row(node, aten._to_copy.default, (self.in_chunk[src],), {"dtype": dtype}, layout)
 
     def _term(self, node: Node) -> None:
@@ -389,9 +401,9 @@ class _Reader:
             aten.select.int, (self.terms_input, 0, len(self.terms) - 1)
         )
         if node.target in _MEANS:
-            value = self.after.call_function(aten.div.Tensor, (value, x.meta["val"].numel()))
+            value = self.after.call_function(aten.div.Tensor, (value, _value(x).numel()))
         value = self.after.call_function(
-            aten._to_copy.default, (value,), {"dtype": node.meta["val"].dtype}
+            aten._to_copy.default, (value,), {"dtype": _value(node).dtype}
         )
         self.in_post[node] = self.after.call_function(
             aten.reshape.default, (value, list(_shape(node)))
@@ -436,8 +448,6 @@ class _Reader:
                     raise NotRowWise(f"{node.target} mixes a sum over the rows with a row value")
                 self._post(node)
             elif any(a in self.tainted for a in inputs):
-                if node.target is operator.getitem:
-                    raise NotRowWise("an op with several outputs on the logits")
                 self._row(node)
                 if node not in self.in_post:
                     self.tainted.add(node)
@@ -446,7 +456,7 @@ class _Reader:
     def _finish(self, loss) -> None:
         if isinstance(loss, list | tuple):
             loss = loss[0] if len(loss) == 1 else None
-        if loss not in self.in_post or loss.meta["val"].numel() != 1:
+        if loss not in self.in_post or _value(loss).numel() != 1:
             raise NotRowWise("the loss is not a single sum over the rows")
         self.after.output(self.in_post[loss])
         if not self.terms:

@@ -7,11 +7,11 @@ import os
 
 import torch
 
-_TRUE = ("1", "true", "yes", "on")
+from seqcompile.options import switch_on
 
 
 def interpreting() -> bool:
-    return os.environ.get("SEQFAST_INTERPRET", "").strip().lower() in _TRUE
+    return switch_on("SEQFAST_INTERPRET")
 
 
 def request_interpreter_if_asked() -> None:
@@ -60,7 +60,7 @@ def prepare_triton() -> None:
 
 
 def poisoning() -> bool:
-    return os.environ.get("SEQFAST_POISON", "").strip().lower() in _TRUE
+    return switch_on("SEQFAST_POISON")
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

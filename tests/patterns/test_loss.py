@@ -9,8 +9,11 @@ from checks import check_fusion, kept_for_backward
 from conftest import KERNELS_IN_SLOW_TIER
 from torch import nn
 
+from seqcompile.capture import trace_function
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.options import OptionError
+from seqcompile.patterns.engine import Reject
+from seqcompile.patterns.loss import LossPattern
 from seqcompile.report import collecting
 
 VOCAB, ROWS, WIDTH = 97, 12, 16
@@ -835,3 +838,15 @@ def test_a_linear_before_probability_targets_joins_it_in_chunks():
         loss, [torch.randn(ROWS, WIDTH, requires_grad=True), probabilities()], counts={"loss": 1}
     )
     assert any("linear_row_loss" in site for site in report.sites), report.sites
+
+
+def test_logits_with_no_tensor_recorded_are_refused_not_crashed_on():
+    """The reading asks for the logits' rank: a node whose value is not a tensor is refused (it
+    read the rank of None)."""
+    gm = trace_function(lambda x, t: F.cross_entropy(x, t), logits_and_targets(), "the loss")
+    (loss,) = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.cross_entropy_loss.default
+    )
+    del loss.args[0].meta["val"]
+    found = LossPattern().find(loss, ctx=None)  # (a refusal is answered before the context is read)
+    assert isinstance(found, Reject) and found.reason.startswith("logits not a tensor")

@@ -196,6 +196,31 @@ def test_a_sum_times_itself_is_not_read_as_affine():
         program_of_function(squared, logits, [t])
 
 
+def chunked_logits_loss(h, w, t):
+    """A loss summed over chunks of the logits, as memory-saving training code writes it."""
+    logits = h @ w.T
+    chunks = zip(logits.split(4), t.split(4), strict=True)
+    return sum(F.cross_entropy(c, tc, reduction="sum") for c, tc in chunks) / t.numel()
+
+
+@KERNELS_IN_SLOW_TIER
+@pytest.mark.kernels(
+    "cross_entropy:forward", "cross_entropy:backward", "pointwise:forward", "pointwise:backward"
+)
+def test_a_loss_over_chunks_of_the_logits_fuses_each_chunk_and_says_why_not_whole(impl):
+    """`split` gives a list, which the row-wise reading refuses by name (it read the list's
+    shape, and failed the compile); each chunk's cross-entropy fuses, and the sum after them."""
+    torch.manual_seed(0)
+    h, w = torch.randn(10, WIDTH, requires_grad=True), torch.randn(VOCAB, WIDTH, requires_grad=True)
+    t = torch.randint(VOCAB, (10,))
+    report = check_fusion(
+        chunked_logits_loss, [h, w, t], counts={"loss": 3, "pointwise": 1},
+        missed=["split_with_sizes.default gives 3 values, not one tensor"],
+    )  # fmt: skip
+    assert not row_loss_sites(report)
+    assert all(m.site.startswith("matmul") and m.pattern == "loss" for m in report.missed)
+
+
 @pytest.mark.slow
 def test_a_teacher_that_learns_through_the_loss_is_not_chunked_and_says_why():
     class TwoHeads(nn.Module):
