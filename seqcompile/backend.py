@@ -40,7 +40,7 @@ from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
 from seqcompile.report import CompileReport, Missed, publish
-from seqcompile.run import retained_graph
+from seqcompile.run import collective_inputs, retained_graph
 from seqcompile.run.gradient_destination import GradientDestination
 
 log = logging.getLogger("seqcompile")
@@ -127,22 +127,26 @@ def fuse(captured: Captured, state: GraphCompile) -> Fused:
 
 def differentiate(fused: Fused, state: GraphCompile) -> Callable[..., Any]:
     """Stage 4: AOTAutograd traces forward and backward; fused ops enter both as opaque calls. It
-    then calls stage 5 as its partitioner and stage 6 as its compilers (see `Handoff`)."""
+    then calls stage 5 as its partitioner and stage 6 as its compilers (see `Handoff`). An input
+    that is, or holds, a collective's pending result is waited for before each call; a pending
+    local tensor is traced as the tensor it waits for (`run/collective_inputs.py`)."""
     decompositions = None
     if state.rest == "inductor":
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
     handoff = Handoff(state, fused.fake_mode)
-    return aot_module_simplified(
+    pending = collective_inputs.pending(state.example_inputs)
+    compiled = aot_module_simplified(
         fused.gm,
-        state.example_inputs,
+        collective_inputs.as_waited(state.example_inputs, fused.fake_inputs, pending),
         fw_compiler=handoff.lower_forward,
         bw_compiler=handoff.lower_backward,
         inference_compiler=handoff.lower_inference,
         partition_fn=handoff.plan_memory,
         decompositions=decompositions,
     )
+    return collective_inputs.waiting(compiled, state.example_inputs, pending)
 
 
 def plan_memory(
