@@ -234,7 +234,8 @@ def lower_backward(
         received = len(list(returning.graph.find_nodes(op="placeholder")))
         # made now, inside AOTAutograd's compile contexts, as Inductor needs
         returned = _executable(returning, example_inputs[:received], state, "backward_returning")
-        run = destination.backward(run, returned)
+        # Inductor compiles to its inputs' strides: a .grad laid out otherwise goes through a copy
+        run = destination.backward(run, returned, fixed_layouts=state.rest == "inductor")
     return retained_graph.keeping_saved(run, written)
 
 

@@ -5,13 +5,15 @@ it, so a micro-batch allocates no weight-sized gradient and runs no separate acc
 The forward saves each such parameter for the backward (most are saved anyway, for the matmuls'
 input gradients), so a backward finds the `.grad`s of the parameters its own forward call ran with,
 even when one compiled graph serves several modules. The backward graph gets one more placeholder
-per parameter, its `.grad`, passed in at run time; the backward as autograd traced it is kept
-beside, for calls whose gradients must go through autograd (`run/gradient_destination.py`
-chooses). Where a gradient comes from, the accumulation goes in: a weight-gradient matmul becomes
-`addmm_` into `.grad`, a fused op's backward output goes through the op's accumulation hook in the
-registry (the linear + cross-entropy scales its finished weight gradient into it), an embedding's
-backward scatters its rows into it, a sum of such terms (a tied weight) accumulates each term; any
-other gradient (biases, norm weights) is computed and then added in place.
+per parameter, its `.grad`, passed in at run time and traced laid out as `zeros_like` lays out
+the parameter (the `.grad` a first micro-batch creates; where the user laid one out otherwise, an
+executor compiled to that layout gets it through a copy); the backward as autograd traced it is
+kept beside, for calls whose gradients must go through autograd (`run/gradient_destination.py`
+chooses both). Where a gradient comes from, the accumulation goes in: a weight-gradient matmul
+becomes `addmm_` into `.grad`, a fused op's backward output goes through the op's accumulation
+hook in the registry (the linear + cross-entropy scales its finished weight gradient into it), an
+embedding's backward scatters its rows into it, a sum of such terms (a tied weight) accumulates
+each term; any other gradient (biases, norm weights) is computed and then added in place.
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ def accumulate_into_grads(
     into new trailing placeholders, one per parameter, and returned as None."""
     outputs = graph_outputs(backward)
     taken = [p for p in positions if isinstance(outputs[p], Node)]
+    placeholders = list(forward.graph.find_nodes(op="placeholder"))
     # the forward's inputs start with AOTAutograd's effect tokens, which have no gradient
-    tokens = len(list(forward.graph.find_nodes(op="placeholder"))) - len(outputs)
+    tokens = len(placeholders) - len(outputs)
     inputs = tuple(p + tokens for p in taken)
+    # a `.grad` as run time creates it, not as the gradient is made (a sum's is expanded)
+    layouts = {p: torch.empty_like(val(placeholders[p + tokens])) for p in taken}
     arguments = save_for_backward(forward, backward, num_fwd_outputs, list(inputs))
     returning = copy.deepcopy(backward)
     graph = backward.graph
@@ -71,7 +76,7 @@ def accumulate_into_grads(
         gradient = outputs[position]
         with graph.inserting_after(last_placeholder):
             buffer = graph.placeholder(f"grad_{position}")
-        buffer.meta["val"] = val(gradient)
+        buffer.meta["val"] = layouts[position]
         last_placeholder = buffer
         with graph.inserting_before(gradient.next):
             hooked += _accumulate(graph, buffer, gradient)
@@ -127,8 +132,8 @@ def _accumulate(graph: Any, buffer: Node, gradient: Node) -> list[str]:
     matmul, transposed = _through_transposes(gradient)
     if is_call(matmul, aten.mm.default):
         a, b = matmul.args
-        if transposed:  # (a @ b)^T = b^T @ a^T
-            a, b = (graph.call_function(aten.t.default, (x,)) for x in (b, a))
+        if transposed:  # (a @ b)^T = b^T @ a^T; permute, as decomposed graphs spell it
+            a, b = (graph.call_function(aten.permute.default, (x, [1, 0])) for x in (b, a))
         graph.call_function(seqfast.accumulate_matmul_.default, (buffer, a, b))
         return []
     if gradient.target is operator.getitem:

@@ -16,6 +16,12 @@ Autograd must get the gradients when something reads them on their way to `.grad
 
 The forward decides what concerns the wrapper (DDP decides there too); the backward checks the
 rest. The choice is logged once per graph and reason.
+
+A `.grad` keeps its object and layout, as autograd's accumulation keeps them. An executor that
+compiled the accumulating backward to the layout of its inputs (Inductor asserts their strides)
+takes each `.grad` as `zeros_like` lays out the parameter; one the user laid out otherwise
+(transposed, a slice of a larger buffer) is accumulated in a copy so laid out, then copied back
+(counted by `codegen/copies.py`, logged once per graph and layout).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
+
+from seqcompile.codegen import copies
 
 log = logging.getLogger("seqcompile")
 
@@ -140,10 +148,15 @@ class GradientDestination:
         return forward
 
     def backward(
-        self, accumulating: Callable[[list[Any]], Any], returning: Callable[[list[Any]], Any]
+        self,
+        accumulating: Callable[[list[Any]], Any],
+        returning: Callable[[list[Any]], Any],
+        fixed_layouts: bool = False,
     ) -> Callable[[list[Any]], Any]:
         """The boxed backward: each call runs `returning` where autograd must get the gradients,
-        `accumulating` where they may be added into `.grad`."""
+        `accumulating` where they may be added into `.grad`. With `fixed_layouts`, `accumulating`
+        takes each `.grad` only as `zeros_like` lays out its parameter (the layout it was
+        compiled at); a `.grad` laid out otherwise goes through a copy."""
 
         def backward(args: list[Any]) -> Any:
             parameters = owners([args[i] for i in self.arguments])
@@ -151,19 +164,46 @@ class GradientDestination:
                 parameters if isinstance(parameters, str) else backward_choice(parameters)
             )
             if reason is not None:
-                self._log(reason)
+                self._log(f"gradients go to autograd for this backward: {reason}")
                 return returning(args)
             for p in parameters:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            args.extend(p.grad for p in parameters)
-            return accumulating(args)
+            grads = [p.grad for p in parameters]
+            if fixed_layouts:
+                taken = [self._as_compiled(p, g) for p, g in zip(parameters, grads, strict=True)]
+            else:
+                taken = grads
+            args.extend(taken)
+            result = accumulating(args)
+            for grad, written in zip(grads, taken, strict=True):
+                if written is not grad:
+                    grad.copy_(written)
+            return result
 
         backward._boxed_call = True  # type: ignore[attr-defined]
         return backward
 
-    def _log(self, reason: str) -> None:
-        """Say once per reason that gradients go to autograd."""
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.info("%s: gradients go to autograd for this backward: %s", self.graph, reason)
+    def _as_compiled(self, parameter: Tensor, grad: Tensor) -> Tensor:
+        """`grad`, or where its strides are not those `zeros_like(parameter)` gives (the layout
+        the accumulating backward was compiled at), a copy of it so laid out, which the caller
+        copies back after the backward added into it."""
+        if parameter.is_contiguous():
+            compiled = parameter.stride()
+        else:
+            compiled = torch.empty_like(parameter, device="meta").stride()
+        if grad.stride() == compiled:
+            return grad
+        self._log(
+            f"a .grad of shape {tuple(grad.shape)} with strides {grad.stride()} is accumulated"
+            f" in a copy at the strides the compiled backward takes, {compiled}, then copied back"
+        )
+        return copies.for_kernel(
+            grad, "accumulate_grads", ".grad", lambda g: torch.empty_like(parameter).copy_(g)
+        )
+
+    def _log(self, message: str) -> None:
+        """Say `message` at INFO level, once per graph."""
+        if message not in self._logged:
+            self._logged.add(message)
+            log.info("%s: %s", self.graph, message)
