@@ -2,7 +2,8 @@
 lowering (`FusedOp.lowering`), plain ATen traced at the call's fake values, so Inductor compiles
 the fused operators' CPU math with its neighbours instead of calling the opaque op, which would
 run its reference op by op. The gradient-accumulation ops (`ops/accumulate.py`) stay calls: each
-is one in-place ATen op on a parameter's `.grad`, which Inductor runs as it is.
+is one in-place ATen op on a parameter's `.grad`, which Inductor runs as it is, and so does the
+check every index a lowering reads from outside passes first (`ops/index_check.py`).
 
 It runs after the memory plan: the graph's inputs and outputs, and so what the backward keeps,
 stay the plan's. Each replaced output must keep the shape, dtype and strides of the call's fake
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from seqcompile.fx_utils import same_shape
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
+from seqcompile.ops.index_check import check_indices
 from seqcompile.run import runtime
 
 __all__ = ["inline_lowerings", "lowering_of"]
@@ -86,6 +88,7 @@ def _inline(gm: GraphModule, node: Node, body: Callable[..., Any], fake_mode: An
             select_decomp_table(),
             tracing_mode="real",
         )(*fakes)
+    check_indices(traced, str(node.target))  # (Inductor's own check would end the process)
     graph = gm.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     copies = dict(zip(placeholders, [leaves[i] for i in where], strict=True))

@@ -20,6 +20,7 @@ import triton
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops import samples_loss, sharding_rules
 from seqcompile.ops.fused_op import Call, FusedOp, InPlace, gradients, named, needs_grad
+from seqcompile.ops.index_check import check_range, checked_index
 from seqcompile.run import runtime
 
 Tensor = torch.Tensor
@@ -45,28 +46,19 @@ def rows(logits: Tensor) -> Tensor:
     )
 
 
-def _targets_valid(target: Tensor, vocab: int, ignore_index: int) -> tuple[Tensor, str]:
-    """Whether every target is in [0, vocab) or `ignore_index` (a 0-d bool tensor), and the
-    error's message where one is not."""
-    valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
-    message = f"cross-entropy: a target is outside [0, {vocab}) and is not ignore_index"
-    return valid.all(), message
+TARGETS = "cross-entropy targets"
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
-    """A target outside [0, vocab) that is not `ignore_index` is an error, as in eager: raised
-    here on CPU, a device-side assert on CUDA (no host synchronization)."""
-    valid, message = _targets_valid(target, vocab, ignore_index)
-    if target.is_cuda:
-        torch._assert_async(valid, message)
-    elif not bool(valid):
-        raise IndexError(message)
+    """A target outside [0, vocab) that is not `ignore_index` is an error, as in eager: an
+    IndexError on CPU, a device-side assert on CUDA (no host synchronization)."""
+    check_range(target, 0, vocab, ignore_index, TARGETS)
 
 
-def assert_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
-    """`check_targets` as an op in the graph (`aten._assert_async`), for the lowering: no host
-    branch on the targets' values, so it traces; a bad target is a RuntimeError when it runs."""
-    torch._assert_async(*_targets_valid(target, vocab, ignore_index))
+def checked_targets(target: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    """`check_targets` as an op in the graph, for the lowering: the targets, which what indexes
+    with them reads, once checked on the host (`ops/index_check.py`)."""
+    return checked_index(target, 0, vocab, ignore_index, TARGETS)
 
 
 def over_no_classes(rows: int, smoothing: float, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -117,7 +109,7 @@ def lower_forward(
 ) -> tuple[Tensor, Tensor]:
     """`cross_entropy` on CPU in plain ATen (the registry's lowering): the reference, the
     targets checked by an op in the graph."""
-    assert_targets(target, logits.shape[1], ignore_index)
+    target = checked_targets(target, logits.shape[1], ignore_index)
     if logits.shape[1] == 0:
         return over_no_classes(logits.shape[0], smoothing, logits.device)
     return reference_rows(logits, target, ignore_index, smoothing)

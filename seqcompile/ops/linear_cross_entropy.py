@@ -106,7 +106,7 @@ def lower_forward(
     unrolled at the traced sizes, written functionally (the gradients of the hidden states
     joined, the weight's and bias's summed), the targets checked by an op in the graph."""
     m, d = hidden.shape
-    ce.assert_targets(target, weight.shape[0], ignore_index)
+    target = ce.checked_targets(target, weight.shape[0], ignore_index)
     h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
     b = bias.to(compute_dtype) if bias is not None else None
     want_h, want_w, want_b = needs_grad

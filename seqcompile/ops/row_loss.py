@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from seqcompile.fx_utils import concrete, in_own_thread
+from seqcompile.ops.index_check import check_indices
 
 Tensor = torch.Tensor
 _EXAMPLE_ROWS = 2
@@ -134,6 +135,7 @@ def register(
         traced_joint, traced_weights = in_own_thread(traced)
     except Exception as error:  # an op that autograd or symbolic shapes cannot trace
         raise UntraceableLoss(f"tracing the loss's gradient failed: {error}") from error
+    check_indices(traced_joint, "the loss's class indices")
     dtypes = [t.dtype for t in (logits, *row_inputs, *consts, *post_inputs)]
     text = f"{traced_joint.code}|{traced_weights.code}|{post.code}|{dtypes}"
     key = "row_loss_" + hashlib.sha256(text.encode()).hexdigest()[:16]
