@@ -16,8 +16,8 @@ import torch
 
 from seqcompile.capture import trace_function
 from seqcompile.patterns.pointwise import region_of_function
-from seqcompile.patterns.pointwise_ops import element_wise, refusal
-from tests.ops.test_pointwise_ops import constant_arguments
+from seqcompile.patterns.pointwise_ops import refusal
+from tests.ops.test_pointwise_ops import constant_arguments, element_wise_ops
 
 aten = torch.ops.aten
 F32 = torch.finfo(torch.float32)
@@ -48,25 +48,17 @@ def _refusal(op, args, inputs) -> str | None:
 
 def _ops() -> dict[str, tuple]:
     found = {}
-    for name in dir(aten):
-        packet = getattr(aten, name)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+    for op in element_wise_ops():
+        args = constant_arguments(op)
+        if args is None:
             continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if not (element_wise(op) and torch.Tag.pointwise in op.tags):
-                continue
-            args = constant_arguments(op)
-            if args is None:
-                continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    out = _apply(op, args, _points(args.count(None)))
-            except (RuntimeError, TypeError, NotImplementedError):
-                continue
-            if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.bool):
-                continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = _apply(op, args, _points(args.count(None)))
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+        if isinstance(out, torch.Tensor) and out.dtype in (torch.float32, torch.bool):
             found[str(op)] = (op, args)
     return found
 

@@ -91,19 +91,20 @@ def _sample(op):
     return _call(op, args), inputs
 
 
-def _differentiable():
-    found = {}
+def element_wise_ops():
+    """Every ATen overload torch tags pointwise that the fuser reads as element-wise."""
     for name in dir(aten):
         packet = getattr(aten, name)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if element_wise(op) and torch.Tag.pointwise in op.tags:
-                sample = _sample(op)
-                if sample is not None:
-                    found[str(op)] = sample
-    return found
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                if element_wise(op) and torch.Tag.pointwise in op.tags:
+                    yield op
+
+
+def _differentiable():
+    samples = {str(op): _sample(op) for op in element_wise_ops()}
+    return {name: sample for name, sample in samples.items() if sample is not None}
 
 
 DIFFERENTIABLE = _differentiable()
