@@ -58,8 +58,13 @@ def _ops() -> dict[str, tuple]:
                 out = _apply(op, args, _points(args.count(None)))
         except (RuntimeError, TypeError, NotImplementedError):
             continue
-        if isinstance(out, torch.Tensor) and out.dtype in (torch.float32, torch.bool):
+        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.bool):
+            continue
+        why = _refusal(op, args, _points(args.count(None)))
+        if why is None:
             found[str(op)] = (op, args)
+        else:
+            REFUSED[str(op)] = why
     return found
 
 
@@ -69,12 +74,15 @@ def _apply(op, args, tensors):
     return out[0] if isinstance(out, tuple) else out
 
 
+REFUSED: dict[str, str] = {}
+"""The element-wise ops the family does not take (the region ends there), with the reason."""
 OPS = _ops()
 
 
 def test_the_edge_sweep_covers_the_ops_people_write():
     """The list is read from torch, so a filter that went wrong would shrink it silently."""
-    assert len(OPS) >= 150, sorted(OPS)
+    assert len(OPS) >= 110, sorted(OPS)
+    assert len(REFUSED) <= 40, REFUSED  # (special functions without a Triton spelling, mostly)
     for name in ("gelu", "erf", "tanh", "log1p", "expm1", "sigmoid", "pow", "atan2", "lgamma"):
         assert any(key.startswith(f"aten.{name}.") for key in OPS), name
 
@@ -152,9 +160,6 @@ def _table(name, inputs, rows, columns) -> str:
 def test_every_element_wise_op_gives_its_float64_value_at_the_edges(impl, name):
     op, args = OPS[name]
     inputs = _points(args.count(None))
-    why = _refusal(op, args, inputs)
-    if why is not None:
-        pytest.skip(f"the pointwise family does not take it: {why}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         vectorized = _apply(op, args, inputs)
