@@ -531,6 +531,16 @@ for _name, _op in (
     _RULES[getattr(aten, _name).Tensor] = _compare(_op)
     _RULES[getattr(aten, _name).Scalar] = _compare(_op)
 
+_CONSTANTS = frozenset(
+    _RULES[op]
+    for op in (
+        aten.scalar_tensor.default, aten.full_like.default, aten.zeros_like.default,
+        aten.zeros.default, aten.ones_like.default, aten.full.default,
+        aten._efficientzerotensor.default,
+    )
+)  # fmt: skip
+"""The rules that print a literal, already the value the op's dtype holds (a literal has no
+`.to`; Triton promotes it with what it meets)."""
 PRINTABLE = frozenset(_RULES)
 """Post-dispatch ATen ops the printer spells in Triton."""
 
@@ -567,7 +577,8 @@ def _print_nodes(gm: GraphModule, names: dict[Node, str], printer: _Printer) -> 
             if not isinstance(a, torch.dtype | torch.device | torch.layout | str | list)
         ]
         var = names[node] = f"v_{node.name}"
-        lines.append(f"{var} = {_in_kind(rule(node, args, printer), node)}")
+        value = rule(node, args, printer)
+        lines.append(f"{var} = {value if rule in _CONSTANTS else _in_kind(value, node)}")
     return lines
 
 
@@ -579,7 +590,7 @@ def _in_kind(expression: str, node: Node) -> str:
     if dtype is torch.bool:
         return f"({expression} != 0)"
     if not dtype.is_floating_point and dtype in _TL_DTYPES:
-        return f"{expression}.to({_TL_DTYPES[dtype]})"
+        return f"({expression}).to({_TL_DTYPES[dtype]})"
     return expression
 
 

@@ -132,6 +132,28 @@ def test_every_element_wise_op_alone(impl, name):
 
 
 @pytest.mark.parametrize(
+    "fn, dtype",
+    [
+        (lambda t: torch.where(t > 0, t, 0) * 3, torch.int64),
+        (lambda t: t.masked_fill(t < 0, -0.4) + 2, torch.int64),
+        (lambda t: (t * 40).to(torch.int8) + 100, torch.int32),  # wraps at int8's width
+        (lambda t: t.bool().masked_fill(t == 1, float("-inf")).float() + 1, torch.int64),
+        (lambda t: ((t > -3) + (t < 3)).float() * 2, torch.int64),  # a boolean sum is an or
+    ],
+    ids=["where-zero", "fill-truncated", "int8-wraps", "bool-filled", "bool-sum"],
+)
+@pytest.mark.kernels("pointwise:forward")
+def test_integer_and_boolean_values_stay_in_their_dtype(impl, fn, dtype):
+    """Each value is its op's dtype, as torch holds it: constants converted to it, integer sums
+    wrapping at its width, a boolean filled with -inf True, a sum of booleans a boolean (Triton
+    would promote them)."""
+    x = torch.arange(-7, 8, dtype=dtype).view(3, 5)
+    region = region_of_function(fn, [x])
+    (out,) = torch.ops.seqfast.pointwise([x], None, 0, region.key)
+    assert out.dtype == fn(x).dtype and torch.equal(out, fn(x))
+
+
+@pytest.mark.parametrize(
     "fn",
     [
         lambda t: (t % 3) * 2 + 1,
