@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
     # test sets SEQFAST_INTERPRET=1 (the `interpret` fixture), the reference runs elsewhere.
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("SEQFAST_CACHE_DIR", tempfile.mkdtemp(prefix="seqfast-test-kernels-"))
-for name in [n for n in os.environ if n.startswith("SEQFAST_") and n != "SEQFAST_CACHE_DIR"]:
+KEPT = ("SEQFAST_CACHE_DIR", "SEQFAST_TEST_ROTATION")  # the test suite's own
+for name in [n for n in os.environ if n.startswith("SEQFAST_") and n not in KEPT]:
     del os.environ[name]
 # The rest of each graph runs eager unless a test names Inductor: an Inductor compile per graph
 # would take most of the run. The CPU lowerings Inductor gets are tested where `rest` is named.
@@ -30,6 +31,8 @@ os.environ["SEQFAST_STRICT"] = "1"
 import pytest  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_harness.py runs child suites with this conftest
+
+import rotation  # noqa: E402
 
 from seqcompile.codegen import counting_launches  # noqa: E402
 from seqcompile.patterns.user import registered_patterns  # noqa: E402
@@ -152,7 +155,12 @@ def expected_kernels(item: pytest.Item) -> tuple[str, ...] | None:
     return None if marker is None else marker.args
 
 
+def pytest_report_header(config):
+    return rotation.header()
+
+
 def pytest_collection_modifyitems(config, items):
+    rotation.deselect(config, items)
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     unnamed = []
     for item in items:

@@ -30,7 +30,8 @@ def column_sum():
 def child(pytester):
     """A child pytest in its own process, with this suite's conftest."""
     pytester.makeconftest((TESTS / "conftest.py").read_text())
-    pytester.makeini("[pytest]\nmarkers =\n    interpreter\n    kernels\n")
+    pytester.makepyfile(rotation=(TESTS / "rotation.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    interpreter\n    kernels\n    rotating\n")
     return pytester
 
 
@@ -130,3 +131,31 @@ def test_tests_change_torch_configs_only_through_their_own_patch():
                 f"{path.relative_to(TESTS)}:{text.count(chr(10), 0, match.start()) + 1}"
             )
     assert not offenders, f"use torch's config.patch(...) instead: {offenders}"
+
+
+def test_a_rotating_sweep_runs_every_case_once_over_its_parts(child, monkeypatch):
+    child.makepyfile(
+        """
+import pytest
+
+@pytest.mark.rotating(3)
+@pytest.mark.parametrize("case", range(30))
+def test_case(case):
+    pass
+
+def test_plain():
+    pass
+"""
+    )
+    ran = []
+    for index in ("7", "8", "9", "all"):
+        monkeypatch.setenv("SEQFAST_TEST_ROTATION", index)
+        result = child.runpytest_subprocess("-v")  # (randomly shuffles the cases)
+        assert result.ret == pytest.ExitCode.OK
+        passed = re.findall(r"test_case\[(\d+)\] PASSED", result.stdout.str())
+        assert "test_plain PASSED" in result.stdout.str()
+        ran.append(sorted(map(int, passed)))
+    parts, every = ran[:3], ran[3]
+    assert every == list(range(30))
+    assert sorted(sum(parts, [])) == every  # each case in exactly one part
+    assert all(len(part) == 10 for part in parts), parts

@@ -399,6 +399,7 @@ def test_program(request, seed, fusion_records):
 
 
 @pytest.mark.slow
+@pytest.mark.rotating(4)  # a quarter of the seeds per run, in turn (tests/rotation.py)
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_program_long(request, seed, fusion_records):
     fuzz(request, seed, fusion_records)

@@ -25,7 +25,8 @@ def params() -> list:
     found = []
     for case in CASES:
         for k, implementation in enumerate(case.implementations):
-            marks = [pytest.mark.slow] if k or case.slow else []
+            # other implementations and the slowest models: half of them per run, in turn
+            marks = [pytest.mark.slow, pytest.mark.rotating(2)] if k or case.slow else []
             found.append(
                 pytest.param(case, implementation, id=f"{case.name}-{implementation}", marks=marks)
             )

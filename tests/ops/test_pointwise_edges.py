@@ -155,7 +155,18 @@ def _table(name, inputs, rows, columns) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
+def _cases() -> list:
+    """Each op on the reference path, the one whose answer depends on the CPU; on the kernel path
+    a fifth of them in the default run, the rest in the slow tier."""
+    cases = []
+    for k, name in enumerate(sorted(OPS)):
+        kernel_marks = [pytest.mark.interpreter] + ([] if k % 5 == 0 else [pytest.mark.slow])
+        cases.append(pytest.param(name, "reference", id=f"reference-{name}"))
+        cases.append(pytest.param(name, "kernels", id=f"kernels-{name}", marks=kernel_marks))
+    return cases
+
+
+@pytest.mark.parametrize("name, impl", _cases(), indirect=["impl"])
 @pytest.mark.kernels("pointwise:forward")
 def test_every_element_wise_op_gives_its_float64_value_at_the_edges(impl, name):
     op, args = OPS[name]

@@ -39,8 +39,8 @@ def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str,
             continue
         case_id = f"{entry.name}-{sample.name}-{label}-{path}"
         marks = []
-        if slow:
-            marks.append(pytest.mark.slow)
+        if slow:  # each layout of each argument alone: half of them per run, in turn
+            marks += [pytest.mark.slow, pytest.mark.rotating(2)]
         if path == "cuda":
             marks.append(pytest.mark.gpu)
         if path == "kernels":

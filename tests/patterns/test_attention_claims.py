@@ -2,7 +2,8 @@
 programs whose mask looks like a reading but is not give eager's answer, and for every kind of
 reading a wrong conclusion (injected into the reader) is refuted by evaluating the model's own
 sub-graph, reported, and replaced by reading the tensor as it is. Each test runs on both paths,
-the reference and the generated kernels, which must compute what the check confirmed."""
+the reference and the generated kernels, which must compute what the check confirmed (the kernel
+path of all but the table of mask spellings in the slow tier)."""
 
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checks import check_fusion
+from conftest import KERNELS_IN_SLOW_TIER
 
 from seqcompile.patterns.attention import fold, index_masks, links, masks
 from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
@@ -68,6 +70,7 @@ def ones_tril(n, dtype=torch.bool):
     ],
     ids=["bool_filled", "bool_zeros_filled", "bool_where", "bool_full_triangle", "int_full"],
 )
+@KERNELS_IN_SLOW_TIER
 def test_a_fill_the_mask_dtype_cannot_hold_is_read_as_the_values_it_holds(impl, bias):
     """A boolean triangle filled with -inf holds True (1) there: added to the scores it adds
     ones, it masks nothing (and an integer fill of -0.4 holds 0)."""
@@ -86,6 +89,7 @@ def test_a_fill_the_mask_dtype_cannot_hold_is_read_as_the_values_it_holds(impl, 
     ],
     ids=["half_truncated", "wraps_to_zero"],
 )
+@KERNELS_IN_SLOW_TIER
 def test_a_triangle_a_product_and_cast_empty_is_not_read_as_causal(impl, mask):
     """`tril(ones) * 0.5` cast to an integer is all zeros: every score masked, not causal."""
 
@@ -116,6 +120,7 @@ def window_mask(q_idx, kv_idx):
     return q_idx - kv_idx < 3
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_half_plane_read_wrongly_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(index_masks, "half_plane", lambda *a, **k: HalfPlane(True, 0))
 
@@ -126,6 +131,7 @@ def test_a_half_plane_read_wrongly_is_refuted(monkeypatch, impl):
     refuted(fn, qkv(), "read as causal, but the model's mask keeps the score at (0, 1)")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_triangle_read_wrongly_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(index_masks, "triangle", lambda *a: [(True, 0)])
 
@@ -136,6 +142,7 @@ def test_a_triangle_read_wrongly_is_refuted(monkeypatch, impl):
     refuted(fn, qkv(), "read as causal, but the model's mask masks the score at (3, 0)")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_mask_read_wrongly_as_keeping_every_score_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(index_masks, "keeps_all", lambda *a: True)
 
@@ -146,6 +153,7 @@ def test_a_mask_read_wrongly_as_keeping_every_score_is_refuted(monkeypatch, impl
     refuted(fn, qkv(), "read as keeping every score, but the model's mask masks the score at")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_prefix_read_wrongly_is_refuted(monkeypatch, impl):
     read = index_masks.prefix_of
 
@@ -164,6 +172,7 @@ def test_a_prefix_read_wrongly_is_refuted(monkeypatch, impl):
     refuted(fn, [*qkv(), torch.tensor([3, 6])], "read as causal after a prefix, but")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_positions_read_wrongly_within_documents_are_refuted(monkeypatch, impl):
     read = index_masks.half_plane
 
@@ -187,6 +196,7 @@ def test_positions_read_wrongly_within_documents_are_refuted(monkeypatch, impl):
     refuted(fn, [*qkv(), position_ids], "read as a sliding window of 2 keys within each document")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(links, "_zeros", lambda node: True)
 
@@ -196,6 +206,7 @@ def test_a_bias_read_wrongly_as_zeros_is_refuted(monkeypatch, impl):
     refuted(fn, [*qkv(), torch.randn(1, H, L, L)], "read as zeros, but the model's value")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_triangle_of_a_fill_read_wrongly_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(links, "filled_triangle", lambda node, scores: NEG_INF)
 
@@ -206,6 +217,7 @@ def test_a_triangle_of_a_fill_read_wrongly_is_refuted(monkeypatch, impl):
     refuted(fn, qkv(), "read as a triangle filled with -inf, but the model's value at (0, 1) is 3")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_fill_read_in_the_wrong_dtype_is_refuted(monkeypatch, impl):
     """The class behind the boolean fills above: with constants read as Python numbers again,
     the check catches what the reader concluded."""
@@ -218,6 +230,7 @@ def test_a_fill_read_in_the_wrong_dtype_is_refuted(monkeypatch, impl):
     refuted(fn, qkv(), "filled with -inf, but the model's value at (0, 1) is 1.0")
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_bias_read_wrongly_as_relative_is_refuted(monkeypatch, impl):
     monkeypatch.setattr(fold, "read_relative", lambda bias, lq, lk: RelativeBias(bias, {}, {}))
 
@@ -229,6 +242,7 @@ def test_a_bias_read_wrongly_as_relative_is_refuted(monkeypatch, impl):
 
 
 @pytest.mark.kernels("attention_fwd")
+@KERNELS_IN_SLOW_TIER
 def test_a_reading_right_only_at_the_traced_length_is_refuted_at_another(monkeypatch, impl):
     """In a dynamic graph the check runs at a second length too: a key bound that equals the
     traced length keeps every score there, not at the next length."""
@@ -248,6 +262,7 @@ def test_a_reading_right_only_at_the_traced_length_is_refuted_at_another(monkeyp
     assert any("keeping every score, but the model's mask masks" in r for r in reasons), reasons
 
 
+@KERNELS_IN_SLOW_TIER
 def test_a_correct_reading_is_checked_and_stands(impl):
     """Causal from positions is checked (its claim evaluated) and computed in the kernel."""
 
