@@ -17,6 +17,7 @@ from seqcompile.codegen.pointwise_printing import (
     in_dtype,
     literal,
     signbit,
+    tensor_and_scalar,
     unary,
 )
 
@@ -142,21 +143,15 @@ def _clamp_tensor(node: Node, a: list[str], p: Printer) -> str:
 
 
 RULES: dict[Any, Rule] = {
-    aten.add.Tensor: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
-    aten.add.Scalar: lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})",
-    aten.sub.Tensor: lambda n, a, p: f"({a[0]} - {_scaled(a[1], _alpha(n))})",
-    aten.sub.Scalar: lambda n, a, p: f"({a[0]} - {_scaled(a[1], _alpha(n))})",
-    aten.rsub.Tensor: lambda n, a, p: f"({a[1]} - {_scaled(a[0], _alpha(n))})",
-    aten.rsub.Scalar: lambda n, a, p: f"({a[1]} - {_scaled(a[0], _alpha(n))})",
-    aten.mul.Tensor: lambda n, a, p: f"({a[0]} * {a[1]})",
-    aten.mul.Scalar: lambda n, a, p: f"({a[0]} * {a[1]})",
-    aten.div.Tensor: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
-    aten.div.Scalar: lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})",
+    **tensor_and_scalar(aten.add, lambda n, a, p: f"({a[0]} + {_scaled(a[1], _alpha(n))})"),
+    **tensor_and_scalar(aten.sub, lambda n, a, p: f"({a[0]} - {_scaled(a[1], _alpha(n))})"),
+    **tensor_and_scalar(aten.rsub, lambda n, a, p: f"({a[1]} - {_scaled(a[0], _alpha(n))})"),
+    **tensor_and_scalar(aten.mul, lambda n, a, p: f"({a[0]} * {a[1]})"),
+    **tensor_and_scalar(aten.div, lambda n, a, p: f"({p.as_float(a[0], n.args[0])} / {a[1]})"),
     aten.neg.default: _negated,
     aten.reciprocal.default: lambda n, a, p: f"(1.0 / {a[0]})",
     aten.where.self: lambda n, a, p: f"tl.where({a[0]}, {a[1]}, {a[2]})",
-    aten.masked_fill.Scalar: _masked_fill,
-    aten.masked_fill.Tensor: _masked_fill,
+    **tensor_and_scalar(aten.masked_fill, _masked_fill),
     aten.logical_not.default: lambda n, a, p: f"({a[0]} == 0)",
     aten.logical_and.default: _logical("&"),
     aten.logical_or.default: _logical("|"),
@@ -197,10 +192,8 @@ RULES: dict[Any, Rule] = {
         f" tl.abs({a[0]}))"
     ),
     aten.div.Tensor_mode: _quotient,
-    aten.fmod.Tensor: _modulo(floored=False),
-    aten.fmod.Scalar: _modulo(floored=False),
-    aten.remainder.Tensor: _modulo(floored=True),
-    aten.remainder.Scalar: _modulo(floored=True),
+    **tensor_and_scalar(aten.fmod, _modulo(floored=False)),
+    **tensor_and_scalar(aten.remainder, _modulo(floored=True)),
     aten.isnan.default: lambda n, a, p: f"({a[0]} != {a[0]})",
     aten.isinf.default: lambda n, a, p: f'(tl.abs({a[0]}) == float("inf"))',
     aten.signbit.default: lambda n, a, p: signbit(p.as_float(a[0], n.args[0]), p),

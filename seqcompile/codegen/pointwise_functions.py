@@ -17,6 +17,7 @@ from seqcompile.codegen.pointwise_printing import (
     Unprintable,
     float_binary,
     literal,
+    tensor_and_scalar,
     unary,
 )
 
@@ -222,8 +223,7 @@ RULES: dict[Any, Rule] = {
     aten.hardshrink_backward.default: _shrink_backward,
     aten.softshrink.default: _softshrink,
     aten.sinc.default: unary("sinc"),
-    aten.lerp.Scalar: _lerp,
-    aten.lerp.Tensor: _lerp,
+    **tensor_and_scalar(aten.lerp, _lerp),
     aten.addcmul.default: _add_product(divide=False),
     aten.addcdiv.default: _add_product(divide=True),
     aten.softshrink_backward.default: _shrink_backward,

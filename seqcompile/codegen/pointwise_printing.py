@@ -92,6 +92,11 @@ def in_dtype(value: Any, dtype: torch.dtype) -> str:
     return literal(torch.tensor(value, dtype=dtype).item())
 
 
+def tensor_and_scalar(packet: Any, rule: Rule) -> dict[Any, Rule]:
+    """One rule for an op's `Tensor` and `Scalar` overloads, which differ only in the operand."""
+    return {packet.Tensor: rule, packet.Scalar: rule}
+
+
 def unary(fn: str) -> Rule:
     """The rule that calls `fn` on the node's one operand, as a float."""
     return lambda node, a, p: f"{fn}({p.as_float(a[0], node.args[0])})"
