@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from seqcompile.codegen.copies import counting_copies
 from seqcompile.report import CompileReport, collecting
 
 
@@ -20,7 +19,6 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> CompileReport:
     from seqcompile.backend import seqfast
 
     backend = functools.partial(seqfast)
-    with collecting() as report, counting_copies() as copies:
+    with collecting() as report:
         torch.compile(model, backend=backend)(*args, **kwargs)
-    report.copies = dict(copies)
     return report

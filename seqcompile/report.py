@@ -112,9 +112,10 @@ class CompileReport:
     """What fused sites compute at the traced sizes beyond their kernels (attention's masks and
     the blocks it skips), as "graph op: site: description"."""
     copies: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Copies the fused ops made of arguments their kernels do not read through their strides,
-    as "op: argument shape strides" with how many times, in the run `explain` made (empty
-    elsewhere: a compile runs nothing)."""
+    """Copies made of tensors a kernel does not take at their strides (an argument a launcher
+    reads contiguous, a `.grad` the accumulating backward was compiled at other strides for), as
+    "op: argument shape strides" with how many times, while the report was collecting: in
+    `explain`'s run, or in the steps run within `collecting()` (a compile alone copies nothing)."""
     withdrawn: tuple[str, ...] = ()
     """Graphs whose kernels, memory plans, site descriptions and backward variants this report
     takes back where it is merged: `verify` replaced their compile (by one without some sites, or
@@ -167,7 +168,7 @@ class CompileReport:
         if self.variants:
             lines += ["", "backward variants:"] + [f"  {v}" for v in self.variants]
         if self.copies:
-            lines += ["", "copies the fused ops made of arguments their kernels read contiguous:"]
+            lines += ["", "copies made of tensors a kernel does not take at their strides:"]
             lines += [f"  {label}: {n}x" for label, n in self.copies.items()]
         lines += ["", "memory of the step (at traced sizes):"]
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
@@ -267,14 +268,20 @@ _collectors = threading.local()
 
 @contextlib.contextmanager
 def collecting() -> Iterator[CompileReport]:
-    """Within the block, every finished graph report is also merged into the yielded report."""
+    """Within the block, every finished graph report is also merged into the yielded report, and
+    the copies run time makes are counted in its `copies`."""
+    from seqcompile.codegen.copies import counting_copies
+
     report = CompileReport()
     stack = _collectors.__dict__.setdefault("stack", [])
     stack.append(report)
     try:
-        yield report
+        with counting_copies() as copies:
+            report.copies = copies
+            yield report
     finally:
-        stack.remove(report)
+        stack[:] = [r for r in stack if r is not report]  # by identity: equal reports differ
+        report.copies = dict(report.copies)
 
 
 def publish(report: CompileReport) -> None:

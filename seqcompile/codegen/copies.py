@@ -48,4 +48,4 @@ def counting_copies() -> Iterator[collections.Counter[str]]:
         yield count
     finally:
         with _lock:
-            _open.remove(count)
+            _open[:] = [c for c in _open if c is not count]  # equal counts differ

@@ -74,7 +74,7 @@ def _opened(listener: _Listener) -> Iterator[_Listener]:
         yield listener
     finally:
         with _lock:
-            _open.remove(listener)
+            _open[:] = [o for o in _open if o is not listener]  # equal counts differ
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,6 +168,7 @@ def test_grads_in_any_layout_receive_eagers_sum(impl, accumulate_grads, rest, la
     inputs = batches(2, 4, 8)
     options = {"accumulate_grads": accumulate_grads, "rest": rest}
     step = torch.compile(model, backend="seqfast", options=options)
+    copied_in_all = 0
     with collecting() as report, caplog.at_level("INFO", logger="seqcompile"):
         for layout in [MIXED] if layouts == "mixed" else GRAD_LAYOUTS:
             caplog.clear()
@@ -188,9 +189,13 @@ def test_grads_in_any_layout_receive_eagers_sum(impl, accumulate_grads, rest, la
             copied = 2 * other if accumulate_grads and rest == "inductor" else 0
             grads = {label: n for label, n in copies.items() if label.startswith("accumulate")}
             assert sum(grads.values()) == copied, f"{layout}: {grads}"
+            copied_in_all += copied
             assert ("accumulated in a copy" in caplog.text) == (copied > 0), "logged once"
     fused = {family: report.counts[family] for family in ("attention", "norm", "loss")}
     assert fused == {"attention": 1, "norm": 1, "loss": 1}
+    said = {label: n for label, n in report.copies.items() if label.startswith("accumulate")}
+    assert sum(said.values()) == copied_in_all, "the report counts the copies of every step"
+    assert all(f"{label}: {n}x" in str(report) for label, n in said.items())
 
 
 class OddParameters(torch.nn.Module):
