@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end at toy sizes, so a GPU session finds them working."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,23 @@ def test_the_plans_benchmark_compares_both_planners_without_a_device(tmp_path):
     assert "| seqfast | 0.25 |" in text and "| torch's min-cut | 0.25 |" in text
 
 
-def quick_run(module, tmp_path):
+def test_the_host_cost_benchmark_times_each_fused_call_a_step_makes(tmp_path):
+    """A replayed call per fused call of the step: one attention forward and backward per layer,
+    and the launches the stubs counted."""
+    text = quick_run("benchmarks.host_overhead", tmp_path, options=())
+    calls, launches = map(
+        int, re.search(r"per step: (\d+) fused calls, (\d+) launches", text).groups()
+    )
+    rows = re.findall(r"^\| seqfast\.(\w+)\.default \| (\d+) \|", text, re.MULTILINE)
+    assert sum(int(n) for _, n in rows) == calls and launches > 0
+    assert {"attention": "2", "attention_backward": "2"}.items() <= dict(rows).items()
+
+
+def quick_run(module, tmp_path, options=("--no-inductor",)):
     """The markdown `module --quick` writes, after checking it exited cleanly."""
     output = tmp_path / "results.md"
     result = subprocess.run(
-        [sys.executable, "-m", module, "--quick", "--no-inductor", "--output", str(output)],
+        [sys.executable, "-m", module, "--quick", *options, "--output", str(output)],
         cwd=ROOT,
         capture_output=True,
         text=True,

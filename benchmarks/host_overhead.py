@@ -1,0 +1,204 @@
+"""The host's cost of seqfast's fused calls, measured on CPU with every kernel launch stubbed out
+and the kernel path otherwise as on CUDA (argument checks, specs, configuration spaces, the tuning
+lookup, allocations): one training step of a 2-layer GPT-2-small-shaped model is compiled, each
+fused call it makes is recorded, and each is then replayed alone and timed. Printed: microseconds
+per call by op beside an empty custom op's, and per step the fused calls, the launches and the
+host milliseconds those calls take.
+
+    python -m benchmarks.host_overhead [--quick] [--reps N] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.common import emit, header, table
+from seqcompile.codegen import counting_launches
+from seqcompile.codegen.launches import CountedKernel
+from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
+from seqcompile.run import runtime, tuning
+
+INTERPRETED = {"SEQFAST_INTERPRET": "1", "TRITON_INTERPRET": "1"}
+"""The kernel path runs on CPU only under the interpreter's switch, which Triton reads when it is
+imported; no kernel runs here."""
+
+
+class _NoLaunch:
+    """Stands for a `@triton.jit` function: `kernel[grid](...)` returns at once."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_launches(folder: Path) -> Iterator[None]:
+    """Every generated kernel's launch returns at once (still counted), and tuning behaves as on
+    CUDA, where each launch looks its configuration up: the first lookup at a key takes the
+    default, later ones read it from memory."""
+    getitem = CountedKernel.__getitem__
+
+    def no_launch(self: CountedKernel, grid: Any) -> Callable[..., Any]:
+        real, self.jit = self.jit, _NoLaunch()
+        try:
+            return getitem(self, grid)
+        finally:
+            self.jit = real
+
+    patches = {
+        (CountedKernel, "__getitem__"): no_launch,
+        (tuning, "autotuning"): lambda device: True,
+        (tuning, "tuning_file"): lambda device: folder / "tuning.json",
+        (tuning, "_fastest"): lambda entry, space, run: space[0],
+    }
+    saved = {key: getattr(*key) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+@dataclasses.dataclass
+class FusedCall:
+    op: torch._ops.OpOverload
+    implementation: Callable[..., Any]
+    """The Python function behind the op, for this call's device."""
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def recording_fused_calls() -> Iterator[list[FusedCall]]:
+    """Each `seqfast::` op called in this block, with its arguments, in order. (A dispatch mode
+    would see them, but Dynamo runs a frame eagerly under one.)"""
+    calls: list[FusedCall] = []
+    opdefs = [d for name, d in OPDEFS.items() if name.startswith("seqfast::")]
+    saved = {d: dict(d._backend_fns) for d in opdefs}
+
+    def recorded(op, fn, *args, **kwargs):
+        calls.append(FusedCall(op, fn, args, kwargs))
+        return fn(*args, **kwargs)
+
+    for d in opdefs:
+        for device, fn in saved[d].items():
+            d._backend_fns[device] = functools.partial(recorded, d._opoverload, fn)
+    try:
+        yield calls
+    finally:
+        for d, fns in saved.items():
+            d._backend_fns.update(fns)
+
+
+class CountingATenCalls(TorchDispatchMode):
+    """Counts the ATen ops called beneath it (around a fused op's implementation: the mode does
+    not see beneath the op it handles, nor into Dynamo's frames, which run eagerly under it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "aten"
+        return func(*args, **(kwargs or {}))
+
+
+def microseconds(fn: Callable[[], object], reps: int) -> float:
+    """Median microseconds per call of `fn`, over `reps` timed calls after a few untimed ones."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+@torch.library.custom_op("seqfast_benchmark::empty", mutates_args=())
+def _empty_op(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(())
+
+
+@_empty_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(())
+
+
+def main() -> None:
+    if not runtime.interpreting():  # Triton is imported already: start again with the switch on
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+                  {**os.environ, **INTERPRETED})  # fmt: skip
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT, for a smoke run")
+    parser.add_argument("--reps", type=int, default=200, help="timed replays of each call")
+    parser.add_argument("--output", help="append the markdown tables to this file")
+    args = parser.parse_args()
+    config = (
+        GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2)
+        if args.quick
+        else GPTConfig(**{**dataclasses.asdict(GPT2_SMALL), "n_layers": 2, "max_len": 128})
+    )
+    batch, length = (2, 16) if args.quick else (1, 128)
+    torch.manual_seed(0)
+    model = GPT(config)
+    data = toy_batch(config, batch, length, torch.device("cpu"), torch.Generator().manual_seed(0))
+    step_model = torch.compile(model, backend="seqfast", options={"rest": "eager"})
+
+    def step() -> None:
+        step_model(*data).backward()
+
+    with tempfile.TemporaryDirectory() as folder, stubbed_launches(Path(folder)):
+        step()  # compiles
+        with recording_fused_calls() as calls, counting_launches() as launches:
+            step()
+        by_op: dict[str, list[tuple[float, int]]] = {}
+        for call in calls:  # as the compiled graphs call them: beneath autograd
+            with torch.no_grad():
+                us = microseconds(lambda call=call: call.op(*call.args, **call.kwargs), args.reps)
+                with CountingATenCalls() as aten_calls:
+                    call.implementation(*call.args, **call.kwargs)
+            by_op.setdefault(str(call.op), []).append((us, aten_calls.count))
+    empty_us = microseconds(lambda: _empty_op(data[0]), args.reps)
+    rows = []
+    for op, measured in sorted(by_op.items()):
+        us = statistics.median(t for t, _ in measured)
+        rows.append([op, len(measured), us, us - empty_us, max(n for _, n in measured)])
+    per_step_ms = sum(t for measured in by_op.values() for t, _ in measured) / 1e3
+    lines = header("Host cost of fused calls, launches stubbed", torch.device("cpu"), __spec__.name)
+    lines += [
+        f"- model: {config.n_layers} layers, d {config.d_model}, {config.n_heads} heads, vocab "
+        f"{config.vocab}, {batch} x {length} tokens, rest eager; median of {args.reps} replays",
+        f"- an empty custom op: {empty_us:.1f} us per call",
+        f"- per step: {len(calls)} fused calls, {sum(launches.names().values())} launches,"
+        f" {per_step_ms:.2f} ms of host time in fused calls",
+        "- the ATen ops a fused call makes besides its launches (allocations, views, and in some"
+        " the matmuls) run on the CPU here, their compute inside the call's time; on CUDA they"
+        " are launches",
+        "",
+        *table(
+            ["op", "calls per step", "us per call", "us beyond an empty custom op", "ATen ops"],
+            rows,
+        ),
+    ]
+    emit(lines, args.output)
+
+
+if __name__ == "__main__":
+    main()
