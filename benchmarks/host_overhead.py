@@ -106,16 +106,27 @@ def recording_fused_calls() -> Iterator[list[FusedCall]]:
             d._backend_fns.update(fns)
 
 
+HOST_ONLY = frozenset(
+    "empty empty_strided new_empty view _unsafe_view reshape as_strided t transpose permute expand"
+    " unsqueeze squeeze slice select detach alias contiguous".split()
+)
+"""ATen ops that allocate or view without computing: host work on any device."""
+
+
 class CountingATenCalls(TorchDispatchMode):
-    """Counts the ATen ops called beneath it (around a fused op's implementation: the mode does
-    not see beneath the op it handles, nor into Dynamo's frames, which run eagerly under it)."""
+    """Counts the ATen ops called beneath it, and those that compute (around a fused op's
+    implementation: the mode does not see beneath the op it handles, nor into Dynamo's frames,
+    which run eagerly under it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.computing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.namespace == "aten"
+        if func.namespace == "aten":
+            self.count += 1
+            self.computing += func._opname not in HOST_ONLY
         return func(*args, **(kwargs or {}))
 
 
@@ -174,23 +185,28 @@ def main() -> None:
                 us = microseconds(lambda call=call: call.op(*call.args, **call.kwargs), args.reps)
                 with CountingATenCalls() as aten_calls:
                     call.implementation(*call.args, **call.kwargs)
-            by_op.setdefault(str(call.op), []).append((us, aten_calls.count))
+            by_op.setdefault(str(call.op), []).append((us, aten_calls))
     empty_us = microseconds(lambda: _empty_op(data[0]), args.reps)
-    rows = []
+    rows, host_us, computing = [], 0.0, 0
+    total_us = sum(t for measured in by_op.values() for t, _ in measured)
     for op, measured in sorted(by_op.items()):
         us = statistics.median(t for t, _ in measured)
-        rows.append([op, len(measured), us, us - empty_us, max(n for _, n in measured)])
-    per_step_ms = sum(t for measured in by_op.values() for t, _ in measured) / 1e3
+        made = measured[0][1]
+        rows.append([op, len(measured), us, us - empty_us, f"{made.count} ({made.computing})"])
+        if made.computing:
+            computing += len(measured)
+        else:
+            host_us += sum(t for t, _ in measured)
     lines = header("Host cost of fused calls, launches stubbed", torch.device("cpu"), __spec__.name)
     lines += [
         f"- model: {config.n_layers} layers, d {config.d_model}, {config.n_heads} heads, vocab "
         f"{config.vocab}, {batch} x {length} tokens, rest eager; median of {args.reps} replays",
         f"- an empty custom op: {empty_us:.1f} us per call",
-        f"- per step: {len(calls)} fused calls, {sum(launches.names().values())} launches,"
-        f" {per_step_ms:.2f} ms of host time in fused calls",
-        "- the ATen ops a fused call makes besides its launches (allocations, views, and in some"
-        " the matmuls) run on the CPU here, their compute inside the call's time; on CUDA they"
-        " are launches",
+        f"- per step: {len(calls)} fused calls, {sum(launches.names().values())} launches;"
+        f" {total_us / 1e3:.2f} ms in all fused calls, {host_us / 1e3:.2f} ms in the"
+        f" {len(calls) - computing} whose ATen ops only allocate and view",
+        f"- the {computing} calls whose ATen ops compute (the count in brackets) ran that compute"
+        " on the CPU here, inside their time; on CUDA it would be launches",
         "",
         *table(
             ["op", "calls per step", "us per call", "us beyond an empty custom op", "ATen ops"],
