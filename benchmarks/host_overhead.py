@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import emit, header, table
+from benchmarks.common import emit, header, table, timed_ms
 from seqcompile.codegen import counting_launches
 from seqcompile.codegen.launches import CountedKernel
 from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
@@ -131,15 +130,8 @@ class CountingATenCalls(TorchDispatchMode):
 
 
 def microseconds(fn: Callable[[], object], reps: int) -> float:
-    """Median microseconds per call of `fn`, over `reps` timed calls after a few untimed ones."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    """Median microseconds per call of `fn` on the host, over `reps` timed calls."""
+    return 1e3 * timed_ms(fn, torch.device("cpu"), reps=reps)
 
 
 @torch.library.custom_op("seqfast_benchmark::empty", mutates_args=())
