@@ -159,7 +159,18 @@ def pytest_report_header(config):
     return rotation.header()
 
 
+KERNEL_PATHS_ROTATING = {"tests/ops/test_attention.py": 2}
+"""Files whose `impl` sweeps take the kernel path of a part of their cases per run, in turn
+(`tests/rotation.py`): the default run has a time budget, and the interpreter's attention is its
+heaviest share."""
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = KERNEL_PATHS_ROTATING.get(item.nodeid.split("::")[0])
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if parts is not None and params.get("impl") == "kernels":
+            item.add_marker(pytest.mark.rotating(parts))
     rotation.deselect(config, items)
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     unnamed = []

@@ -208,7 +208,11 @@ def _backward_some(loss, model):
 
 @pytest.mark.parametrize(
     "backward, rest",
-    [(_autograd_grad, "eager"), (_backward_some, "eager"), (_autograd_grad, "inductor")],
+    [
+        (_autograd_grad, "eager"),
+        (_backward_some, "eager"),
+        pytest.param(_autograd_grad, "inductor", marks=pytest.mark.slow),  # an Inductor compile
+    ],
     ids=["autograd.grad", "backward(inputs=)", "autograd.grad-inductor"],
 )
 def test_a_backward_writing_not_every_grad_gets_eagers_answer(backward, rest):
