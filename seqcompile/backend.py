@@ -31,7 +31,7 @@ from seqcompile import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
 from seqcompile.fx_utils import has_symbols
-from seqcompile.lower_cpu import inline_lowerings
+from seqcompile.lower import choose_implementations, implement
 from seqcompile.memory.passes import PASSES, Plan, plan_inference
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -166,6 +166,12 @@ def plan_memory(
         notes = run(plan, state)
         state.dump.plan_pass(name, notes, plan.graphs)
     state.report.variants += [f"{state.name}: {variant}" for variant in plan.variants]
+    graphs = [(plan.forward, "forward"), (plan.backward, "backward")]
+    if plan.accumulation is not None:
+        graphs.append((plan.accumulation.returning, "backward to autograd"))
+    for gm, direction in graphs:
+        where = (state.name, direction)
+        choose_implementations(gm, fake_mode, state.options, state.rest, state.report, where)
     return plan
 
 
@@ -200,6 +206,11 @@ class Handoff:
 
     def lower_inference(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         planned = plan_inference(gm, self.fake_mode, self.state)
+        state = self.state
+        where = (state.name, "inference")
+        choose_implementations(
+            planned, self.fake_mode, state.options, state.rest, state.report, where
+        )
         return _executable(planned, example_inputs, self.state, "inference")
 
 
@@ -244,11 +255,11 @@ def _executable(
 ) -> Callable[[list[Any]], Any]:
     """`gm` on the chosen executor, called the boxed way."""
     state.dump.stage(f"lower_{kind}", gm)
+    where = (state.name, _DIRECTIONS[kind])
+    if implement(gm, example_inputs, state.options, state.rest, state.report, where):
+        state.dump.stage(f"lower_{kind}_inlined", gm)
     if state.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
-
-        if inline_lowerings(gm, example_inputs):
-            state.dump.stage(f"lower_{kind}_inlined", gm)
 
         compiled = compile_fx_inner(
             gm,
@@ -261,6 +272,15 @@ def _executable(
             state.dump.stage(f"lower_{kind}_inductor_code", source)
         return compiled
     return _boxed(gm)
+
+
+_DIRECTIONS = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_returning": "backward to autograd",
+    "inference": "inference",
+}
+"""The report's name for each kind of lowered graph (as stage 5 lists their kernels)."""
 
 
 def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:

@@ -29,6 +29,9 @@ REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")
 LOG_CHOICES = ("debug", "info", "warning", "error")
 CHECKPOINT_CHOICES = ("auto", "none", "torch")
+IMPLEMENTATION_CHOICES = ("auto", "kernel", "lowering", "vendor")
+"""What `implementations` may ask of a fused operator: "auto" (chosen per call, by measurement on
+CUDA), or one implementation the operator offers (`FusedOp.implementations`)."""
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -122,6 +125,44 @@ def _parse_path(where: Origin, value: Any) -> str | None:
     )
 
 
+def _parse_implementations(where: Origin, value: Any) -> Mapping[str, str]:
+    """A fused operator's (or a family's) name to "auto" or an implementation it offers: a dict,
+    or in the environment "attention=lowering,add_norm=kernel"."""
+    if isinstance(value, str) and where.environment:
+        pairs = [p.split("=", 1) for p in re.split(r"[,;\s]+", value.strip()) if p]
+        if not all(len(p) == 2 for p in pairs):
+            raise OptionError(
+                f'{where} must be "name=implementation" pairs separated by commas, such as'
+                f' "attention=lowering,add_norm=kernel"; got {value!r}'
+            )
+        value = {name.strip(): choice.strip() for name, choice in pairs}
+    if not isinstance(value, Mapping):
+        raise OptionError(
+            f"{where} must be a dict of fused operator names to one of"
+            f" {', '.join(map(repr, IMPLEMENTATION_CHOICES))}, such as"
+            f' {{"attention": "lowering"}}; got {value!r}'
+        )
+    from seqcompile.ops.registry import implementations_offered  # the registry is the truth
+
+    offered = implementations_offered()
+    chosen = {}
+    for name, choice in value.items():
+        if name not in offered:
+            raise OptionError(
+                f"{where} names {name!r}, which is no fused operator or family; the names are"
+                f" {', '.join(map(repr, offered))}"
+            )
+        valid = ("auto", *offered[name])
+        text = choice.strip().lower() if isinstance(choice, str) else choice
+        if text not in valid:
+            raise OptionError(
+                f"{where} asks {choice!r} of {name!r}, which takes one of"
+                f" {', '.join(map(repr, valid))}"
+            )
+        chosen[name] = text
+    return chosen
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """How much the forward may keep for the backward: a fraction of the save-everything plan, or
@@ -213,6 +254,12 @@ class Options:
     (torch's min-cut with its `activation_memory_budget`, fractions only) or "none" (nothing
     recomputed beyond the partitioner's choice and the user's checkpoints)."""
 
+    implementations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Per fused operator (`attention`) or family (`loss`): "auto" (the default: chosen per call,
+    by measurement on CUDA) or the implementation every call of it runs: "kernel" (the fused op's
+    generated kernels), "lowering" (its ATen lowering compiled by the executor with its
+    neighbours) or "vendor" (a vendor library's kernel, where the operator offers one). An
+    operator's own name wins over its family's."""
     verify: bool = False
     """Run each compiled graph beside the captured one (eager) on the inputs it was compiled for,
     forward and backward, and compare; a fused site that makes them differ is found by bisection
@@ -293,6 +340,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "memory_budget": _parse_budget,
     "checkpoint": _parse_choice(CHECKPOINT_CHOICES, allow_none=False),
     "accumulate_grads": _parse_bool,
+    "implementations": _parse_implementations,
     "verify": _parse_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Options)}

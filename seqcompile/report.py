@@ -70,6 +70,21 @@ class KernelUse:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImplementationUse:
+    """What a fused call in a lowered graph runs (`lower/choice.py`) and why."""
+
+    graph: str
+    direction: str
+    op: str
+    """The fused operator's registry name (or a user pattern's name)."""
+    node: str
+    site: str
+    implementation: str
+    """"kernel" (the op as called) or "lowering" (its ATen compiled by the executor)."""
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """What one training graph's step holds in memory, at the traced sizes."""
 
@@ -111,6 +126,9 @@ class CompileReport:
     sites: list[str] = dataclasses.field(default_factory=list)
     """What fused sites compute at the traced sizes beyond their kernels (attention's masks and
     the blocks it skips), as "graph op: site: description"."""
+    implementations: list[ImplementationUse] = dataclasses.field(default_factory=list)
+    """What each fused call of the lowered graphs runs, and why (measured times, the default
+    table, the option, the device's rule)."""
     copies: dict[str, int] = dataclasses.field(default_factory=dict)
     """Copies made of tensors a kernel does not take at their strides (an argument a launcher
     reads contiguous, a `.grad` the accumulating backward was compiled at other strides for), as
@@ -125,8 +143,20 @@ class CompileReport:
         if kernel not in self.kernels:
             self.kernels.append(kernel)
 
+    def add_implementation(self, use: ImplementationUse) -> None:
+        """Record what a fused call runs; a call that runs its lowering launches none of the
+        kernels stage 5 listed for it."""
+        self.implementations.append(use)
+        if use.implementation != "kernel":
+            self.kernels = [
+                k
+                for k in self.kernels
+                if (k.graph, k.direction, k.node) != (use.graph, use.direction, use.node)
+            ]
+
     def merge(self, other: CompileReport) -> None:
         gone = set(other.withdrawn)
+        self.implementations = [i for i in self.implementations if i.graph not in gone]
         self.kernels = [k for k in self.kernels if k.graph not in gone]
         self.memory = [m for m in self.memory if m.graph not in gone]
         self.variants = [v for v in self.variants if v.split(":", 1)[0] not in gone]
@@ -142,6 +172,7 @@ class CompileReport:
         self.verified.extend(other.verified)
         self.variants.extend(other.variants)
         self.sites.extend(other.sites)
+        self.implementations.extend(other.implementations)
 
     def __str__(self) -> str:
         lines = [f"seqfast compile report: {len(self.graphs)} graph(s)", "", "fused sites:"]
@@ -165,6 +196,10 @@ class CompileReport:
         lines += _kernel_lines(self.kernels) or ["  (none)"]
         if self.sites:
             lines += ["", "fused sites at the traced sizes:"] + [f"  {v}" for v in self.sites]
+        if self.implementations:
+            lines += ["", "what each fused call runs:"] + _implementation_lines(
+                self.implementations
+            )
         if self.variants:
             lines += ["", "backward variants:"] + [f"  {v}" for v in self.variants]
         if self.copies:
@@ -174,7 +209,7 @@ class CompileReport:
         lines += [line for m in self.memory for line in _memory_lines(m)] or [
             "  (no training graph)"
         ]
-        saving = _launched(self.kernels) if self.memory else []
+        saving = _launched(self.kernels, self.implementations) if self.memory else []
         if saving:
             lines += ["", "what each fused operator keeps for its backward:"]
             lines += [f"  {entry.name}: {entry.saves}" for entry in saving]
@@ -191,10 +226,25 @@ def _operators(family: str) -> str:
     return f"  ({', '.join(names)})" if names else ""
 
 
-def _launched(uses: list[KernelUse]) -> list[FusedOp]:
-    """The registry's entries whose kernels the compiled graphs launch, in the registry's order."""
-    ops = {use.op for use in uses}
+def _launched(kernels: list[KernelUse], calls: list[ImplementationUse]) -> list[FusedOp]:
+    """The registry's entries the compiled graphs run (their kernels or their lowerings), in the
+    registry's order."""
+    ops = {use.op for use in kernels} | {use.op for use in calls}
     return [entry for entry in registry.ENTRIES if entry.name in ops]
+
+
+def _implementation_lines(uses: list[ImplementationUse]) -> list[str]:
+    """One line per graph, direction, operator, implementation and reason, with its calls'
+    count and first site."""
+    groups: dict[tuple[str, ...], list[ImplementationUse]] = {}
+    for use in uses:
+        key = (use.graph, use.direction, use.op, use.implementation, use.reason)
+        groups.setdefault(key, []).append(use)
+    lines = []
+    for (graph, direction, op, implementation, reason), group in groups.items():
+        where = group[0].site if len(group) == 1 else f"{len(group)} calls, first {group[0].site}"
+        lines.append(f"  {graph} {direction} {op}: {implementation} ({reason}): {where}")
+    return lines
 
 
 def _kernel_lines(uses: list[KernelUse]) -> list[str]:

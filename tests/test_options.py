@@ -90,6 +90,19 @@ def test_memory_budget_takes_fractions_and_sizes(value, budget):
     assert Options.resolve({}, environ=env).memory_budget == budget
 
 
+def test_implementations_are_asked_per_operator_or_family_in_options_or_the_environment():
+    asked = {"attention": "lowering", "loss": "kernel", "pointwise": "auto"}
+    assert Options.resolve({"implementations": asked}, environ={}).implementations == asked
+    env = {"SEQFAST_IMPLEMENTATIONS": " attention=LOWERING, loss=kernel;pointwise=auto"}
+    assert Options.resolve({}, environ=env).implementations == asked
+    with pytest.raises(OptionError, match=r"names 'flash', which is no fused operator or family"):
+        Options.resolve({"implementations": {"flash": "kernel"}}, environ={})
+    with pytest.raises(OptionError, match=r"asks 'vendor' of 'add_norm', which takes one of"):
+        Options.resolve({"implementations": {"add_norm": "vendor"}}, environ={})
+    with pytest.raises(OptionError, match=r"must be \"name=implementation\" pairs"):
+        Options.resolve({}, environ={"SEQFAST_IMPLEMENTATIONS": "lowering"})
+
+
 def test_bad_environment_value_is_an_error_naming_the_variable():
     with pytest.raises(ValueError, match=r"^SEQFAST_REST must be one of .* or unset; got 'fast'"):
         Options.resolve({}, environ={"SEQFAST_REST": "fast"})
@@ -107,6 +120,7 @@ BAD = {
     "memory_budget": ("lots", [0.5]),
     "checkpoint": ("always", True),
     "accumulate_grads": ("perhaps", 1.0),
+    "implementations": ("attention=fast", 3),
     "verify": ("nah", object()),
 }
 

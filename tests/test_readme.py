@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from seqcompile.ops.registry import implementations_offered
 from seqcompile.options import Budget, OptionError, Options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +97,8 @@ def test_an_option_row_gives_the_code_s_variable_values_and_default(row):
     field = FIELDS[name]
     assert code(row["environment"]) == f"SEQFAST_{name.upper()}"
     default = Options.resolve({}, environ={}).__getattribute__(name)
-    assert default == field.default
+    made = field.default_factory if field.default is dataclasses.MISSING else None
+    assert default == (made() if made else field.default)
     assert re.split(r"[:;]", row["default"])[0].strip() == rendered(default)
 
     values = row["values"]
@@ -119,6 +121,13 @@ def test_an_option_row_gives_the_code_s_variable_values_and_default(row):
         for size in re.findall(r'`"([^"`]+)"`', values):
             assert Options.resolve({name: size}, environ={}).memory_budget.size
         assert Options.resolve({name: 0.5}, environ={}).memory_budget.fraction == 0.5
+    elif type_ == "Mapping[str, str]":  # implementations: per operator or family
+        offered = {i for names in implementations_offered().values() for i in names}
+        assert set(re.findall(r'`"(\w+)"`', values)) == {"auto", *offered}
+        (example,) = re.findall(r'`"(\w+=[^"`]+)"`', values)
+        assert Options.resolve({}, environ={f"SEQFAST_{name.upper()}": example}).__getattribute__(
+            name
+        )
     else:
         assert type_ == "str | None" and values == "a directory", f"{name}: {type_}, {values}"
 

@@ -6,7 +6,8 @@ A file is used only when it holds exactly the text its name was computed from; a
 edit, code appended, a truncated or empty file) is rebuilt with a warning. Writes go to a temporary
 file in the same folder, then `os.replace`, so another process reading or writing the same kernel
 at the same moment sees either no file or a whole one. The folder is looked up on every use, so a
-change of `SEQFAST_CACHE_DIR` within a process is honoured.
+change of `SEQFAST_CACHE_DIR` within a process is honoured. Results measured on a device (tuned
+configurations, chosen implementations) are JSON files beside the kernels, written the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import linecache
+import logging
 import os
 import sys
 import tempfile
@@ -22,6 +25,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from seqcompile.options import OptionError
 
@@ -30,6 +34,7 @@ _modules: dict[Path, tuple[str, ModuleType]] = {}
 """Imported generated modules by file, with the text each was executed from."""
 
 CACHE_ENV = "SEQFAST_CACHE_DIR"
+log = logging.getLogger("seqcompile")
 
 
 class CacheFolderError(OptionError):
@@ -112,6 +117,29 @@ def write_atomically(path: Path, text: str) -> None:
     finally:
         if os.path.exists(tmp):  # the write or the rename failed
             os.unlink(tmp)
+
+
+def read_entries(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object a results file (tuned configurations, chosen implementations) holds; empty
+    where there is none, or where it cannot be read (with a warning naming the `what` file)."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        log.warning(
+            "seqfast: the %s file %s cannot be read (%s); measuring again", what, path, error
+        )
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def add_entry(path: Path, key: str, value: Any) -> None:
+    """Add `key` to the results file at `path`, keeping what other processes wrote since it was
+    read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = {**read_entries(path, "results"), key: value}
+    write_atomically(path, json.dumps(entries, indent=1, sort_keys=True))
 
 
 def ensure_file(name: str, text: str) -> Path:

@@ -157,6 +157,10 @@ class InPlace:
 
 Kernels = Callable[[Call], list[KernelSpec]]
 
+IMPLEMENTATIONS = ("kernel", "lowering", "vendor")
+"""What a call of a fused op may run: the op as called (its generated kernels; on CPU its
+reference), its lowering compiled by the executor, or a vendor library's kernel."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
@@ -214,6 +218,13 @@ class FusedOp:
     describe: Callable[[Call], str | None] | None = None
     """What the report says about a forward call at the traced sizes, beyond its kernels (the
     masks attention computes or reads, and the blocks it skips)."""
+
+    @property
+    def implementations(self) -> tuple[str, ...]:
+        """What its calls may run (`IMPLEMENTATIONS`): the op itself always, its lowering where
+        every op of it has one."""
+        lowered = all(op in self.lowering for op in self.ops)
+        return ("kernel", "lowering") if lowered else ("kernel",)
 
     def label_of(self, call: Call) -> str:
         named = self.label(call) if self.label is not None else None

@@ -21,7 +21,7 @@ from seqcompile.ops import (
     sharding,
     soft_cross_entropy,
 )
-from seqcompile.ops.fused_op import Call, FusedOp
+from seqcompile.ops.fused_op import IMPLEMENTATIONS, Call, FusedOp
 
 ENTRIES: tuple[FusedOp, ...] = (
     attention.ENTRY,
@@ -38,6 +38,16 @@ if torch.distributed.is_available():
 _BY_NAME = {entry.name: entry for entry in ENTRIES}
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(entry.family for entry in ENTRIES))
 """The built-in pattern families, in the registry's order: the report's keys for their sites."""
+
+
+def implementations_offered() -> dict[str, tuple[str, ...]]:
+    """What the `implementations` option may ask of each fused operator and each family (what
+    all of the family's operators offer)."""
+    offered = {entry.name: entry.implementations for entry in ENTRIES}
+    for family in FAMILIES:
+        each = [set(entry.implementations) for entry in entries_of(family)]
+        offered.setdefault(family, tuple(i for i in IMPLEMENTATIONS if all(i in e for e in each)))
+    return offered
 
 
 def entry_named(name: str) -> FusedOp:

@@ -38,12 +38,6 @@ def use_kernels(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and interpreting()
 
 
-def executor_lowers(tensor: torch.Tensor) -> bool:
-    """True when a fused op on `tensor` is lowered into the executor's graph where Inductor runs
-    the rest (`lower_cpu.py`): a CPU tensor whose op would run its reference."""
-    return tensor.device.type == "cpu" and not interpreting()
-
-
 def prepare_triton() -> None:
     """Check, before a generated kernel module is imported, that Triton can run it here."""
     if not interpreting():

@@ -9,11 +9,10 @@ launches a configuration the code does not declare."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 import triton
 from triton.errors import TritonError
 
-from seqcompile.codegen.cache import cache_dir, text_digest, write_atomically
+from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
 from seqcompile.codegen.render import KernelSpec
 
 log = logging.getLogger("seqcompile")
@@ -90,11 +89,11 @@ def _tuned(entry: str, space: Sequence[Config], run, device: torch.device) -> Co
     path = tuning_file(device)
     if (str(path), entry) in _MEMORY:
         return _MEMORY[str(path), entry]
-    found = _read(path).get(entry)
+    found = read_entries(path, "tuning").get(entry)
     chosen = next((c for c in space if _as_json(c) == found), None)
     if chosen is None:
         chosen = _fastest(entry, space, run)
-        _record(path, entry, chosen)
+        add_entry(path, entry, _as_json(chosen))
     _MEMORY[str(path), entry] = chosen
     return chosen
 
@@ -123,24 +122,6 @@ def tuning_file(device: torch.device) -> Path:
     """The file holding the tuned configurations for `device`'s model and this Triton."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", torch.cuda.get_device_name(device))
     return cache_dir() / "tuning" / f"{name}-triton-{triton.__version__}.json"
-
-
-def _read(path: Path) -> Mapping[str, Any]:
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        log.warning("seqfast: the tuning file %s cannot be read (%s); tuning again", path, error)
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def _record(path: Path, entry: str, config: Config) -> None:
-    """Add `entry` to the file, keeping what other processes wrote since it was read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    entries = {**_read(path), entry: _as_json(config)}
-    write_atomically(path, json.dumps(entries, indent=1, sort_keys=True))
 
 
 def _as_json(config: Config) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""Stage 6 on CPU with `rest="inductor"`: each fused call in a planned graph is replaced by its
-lowering (`FusedOp.lowering`), plain ATen traced at the call's fake values, so Inductor compiles
-the fused operators' CPU math with its neighbours instead of calling the opaque op, which would
-run its reference op by op. The gradient-accumulation ops (`ops/accumulate.py`) stay calls: each
-is one in-place ATen op on a parameter's `.grad`, which Inductor runs as it is, and so does the
-check every index a lowering reads from outside passes first (`ops/index_check.py`).
+"""A fused call replaced by its lowering (`FusedOp.lowering`): plain ATen traced at the call's fake
+values and copied into the planned graph in its place, so the executor (Inductor) compiles the
+fused math with its neighbours instead of calling the opaque op. Which calls are replaced is the
+implementation chosen for them (`lower/choice.py`): on CPU under Inductor, every one. The
+gradient-accumulation ops (`ops/accumulate.py`) stay calls: each is one in-place ATen op on a
+parameter's `.grad`, which Inductor runs as it is, and so does the check every index a lowering
+reads from outside passes first (`ops/index_check.py`).
 
 It runs after the memory plan: the graph's inputs and outputs, and so what the backward keeps,
 stay the plan's. Each replaced output must keep the shape, dtype and strides of the call's fake
@@ -11,7 +12,8 @@ value, or the compile stops with the reason."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -28,9 +30,8 @@ from seqcompile.fx_utils import same_shape
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.index_check import check_indices
-from seqcompile.run import runtime
 
-__all__ = ["inline_lowerings", "lowering_of"]
+__all__ = ["Traced", "inline_lowerings", "lowering_of", "traced_lowering"]
 
 
 def lowering_of(target: Any) -> Callable[..., Any] | None:
@@ -39,38 +40,42 @@ def lowering_of(target: Any) -> Callable[..., Any] | None:
     return None if entry is None else entry.lowering.get(target)
 
 
-def inline_lowerings(gm: GraphModule, example_inputs: Sequence[Any]) -> list[str]:
-    """Replace every fused call in `gm` by its traced lowering; the names of the ops replaced,
-    in order."""
-    fake_mode = _fake_mode(gm, example_inputs)
+def inline_lowerings(
+    gm: GraphModule, example_inputs: Sequence[Any], nodes: Collection[Node]
+) -> list[str]:
+    """Replace each fused call of `nodes` in `gm` by its traced lowering; the names of the ops
+    replaced, in order."""
+    fake_mode = fake_mode_of(gm, example_inputs)
     lowered = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function":
+        if node not in nodes or lowering_of(node.target) is None:
             continue
-        body = lowering_of(node.target)
-        if body is None or not _on_cpu(node):
-            continue
-        _inline(gm, node, body, fake_mode)
+        _inline(gm, node, traced_lowering(node, fake_mode))
         lowered.append(str(node.target))
     if lowered:
         gm.recompile()
     return lowered
 
 
-def _on_cpu(node: Node) -> bool:
-    """Whether `node`'s tensors are CPU tensors whose fused op would run its reference (not the
-    kernels under the interpreter)."""
-    values = [a.meta.get("val") for a in node.all_input_nodes]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return bool(tensors) and all(runtime.executor_lowers(t) for t in tensors)
-
-
-def _fake_mode(gm: GraphModule, example_inputs: Sequence[Any]) -> FakeTensorMode:
+def fake_mode_of(gm: GraphModule, example_inputs: Sequence[Any]) -> FakeTensorMode:
+    """The fake mode `gm`'s values were traced under (a fresh one where none is found)."""
     values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     return detect_fake_mode([*example_inputs, *values]) or FakeTensorMode()
 
 
-def _inline(gm: GraphModule, node: Node, body: Callable[..., Any], fake_mode: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A fused call's lowering traced at its fake values: `gm` takes the call's tensor arguments
+    (`inputs`, the call's own argument nodes) in order and returns what the call returns."""
+
+    gm: GraphModule
+    inputs: tuple[Node, ...]
+
+
+def traced_lowering(node: Node, fake_mode: Any) -> Traced:
+    """The lowering of the fused call `node`, traced in plain ATen at its arguments' fake values
+    (an index a gather reads from outside checked first, as eager would)."""
+    body = lowering_of(node.target)
     call = Call.of(node)
     leaves, spec = tree_flatten({name: call[name] for name in call})
     where = [i for i, value in enumerate(leaves) if isinstance(value, Node)]
@@ -89,13 +94,17 @@ def _inline(gm: GraphModule, node: Node, body: Callable[..., Any], fake_mode: An
             tracing_mode="real",
         )(*fakes)
     check_indices(traced, str(node.target))  # (Inductor's own check would end the process)
+    return Traced(traced, tuple(leaves[i] for i in where))
+
+
+def _inline(gm: GraphModule, node: Node, lowering: Traced) -> None:
     graph = gm.graph
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    copies = dict(zip(placeholders, [leaves[i] for i in where], strict=True))
+    placeholders = [n for n in lowering.gm.graph.nodes if n.op == "placeholder"]
+    copies = dict(zip(placeholders, lowering.inputs, strict=True))
     with graph.inserting_before(node):
-        result = graph.graph_copy(traced.graph, copies)
+        result = graph.graph_copy(lowering.gm.graph, copies)
     stack = node.meta.get("stack_trace")
-    for original in traced.graph.nodes:
+    for original in lowering.gm.graph.nodes:
         copied = copies.get(original)
         if copied is not None and original.op == "call_function" and stack is not None:
             copied.meta.setdefault("stack_trace", stack)

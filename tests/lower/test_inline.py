@@ -1,7 +1,8 @@
 """On CPU with `rest="inductor"`, Inductor receives the fused operators' lowerings inlined, never an
 opaque `seqfast` call, and computes what the opaque calls compute, with the same random numbers and
-the same graph outputs (what the backward keeps); with `rest="eager"`, or the kernels under the
-interpreter, the fused calls stay."""
+the same graph outputs (what the backward keeps); with `rest="eager"`, the kernels under the
+interpreter, or the calls forced to their kernels by the `implementations` option, the fused
+calls stay."""
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from conftest import TOLERANCES
 from torch._inductor import cpp_builder
 
 import seqcompile.backend as backend
+from seqcompile import report
 from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.ops.registry import FAMILIES
 
 COMPILE_FX_INNER = compile_fx.compile_fx_inner
 CONFIG = GPTConfig(vocab=64, max_len=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
@@ -32,7 +35,7 @@ def _seqfast_calls(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def _step(monkeypatch, rest: str | None):
+def _step(monkeypatch, rest: str | None, **options):
     """One training step of a seeded GPT with dropout: the loss, the gradients, and the graphs
     Inductor was given (name, opaque seqfast calls, output metadata). `rest` None: the default."""
     given = []
@@ -47,7 +50,7 @@ def _step(monkeypatch, rest: str | None):
     monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    options = {} if rest is None else {"rest": rest}
+    options = options if rest is None else {**options, "rest": rest}
     compiled = torch.compile(model, backend="seqfast", options=options)
     torch.manual_seed(1)
     loss = compiled(*_batch())
@@ -62,8 +65,8 @@ def test_inductor_gets_the_lowerings_and_computes_what_the_opaque_calls_compute(
     assert len(given) >= 2, "a forward and a backward"
     assert all(not calls for calls, _ in given), [calls for calls, _ in given]
     with monkeypatch.context() as opaque:
-        opaque.setattr(backend, "inline_lowerings", lambda gm, example_inputs: [])
-        want_loss, want_grads, kept = _step(opaque, "inductor")
+        kernels = {family: "kernel" for family in FAMILIES}
+        want_loss, want_grads, kept = _step(opaque, "inductor", implementations=kernels)
     assert any(calls for calls, _ in kept), "without the lowering the calls reach Inductor"
     assert [meta for _, meta in given] == [meta for _, meta in kept], "the graphs' outputs"
     torch.testing.assert_close(loss, want_loss, **TOLERANCES[torch.float32])
@@ -72,12 +75,23 @@ def test_inductor_gets_the_lowerings_and_computes_what_the_opaque_calls_compute(
 
 
 def test_the_eager_executor_runs_the_fused_calls(monkeypatch):
-    def refuse(gm, example_inputs):
-        raise AssertionError("lowered for the eager executor")
-
-    monkeypatch.setattr(backend, "inline_lowerings", refuse)
-    loss, _, given = _step(monkeypatch, "eager")
+    with report.collecting() as seen:
+        loss, _, given = _step(monkeypatch, "eager")
     assert not given and torch.isfinite(loss)
+    runs = {(use.implementation, use.reason) for use in seen.implementations}
+    assert runs == {("kernel", "on CPU with the eager executor: the op runs its reference")}
+
+
+def test_a_lowering_the_option_asks_for_runs_under_the_eager_executor(monkeypatch):
+    with report.collecting() as seen:
+        loss, grads, _ = _step(monkeypatch, "eager", implementations={"norm": "lowering"})
+    want_loss, want_grads, _ = _step(monkeypatch, "eager")
+    lowered = {use.op for use in seen.implementations if use.implementation == "lowering"}
+    assert lowered == {"add_norm"}
+    assert not [k for k in seen.kernels if k.op == "add_norm"], "a lowered call launches none"
+    torch.testing.assert_close(loss, want_loss, **TOLERANCES[torch.float32])
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.slow  # an Inductor compile of a step, forward and backward
