@@ -24,7 +24,6 @@ import torch
 from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
-from torch.fx.graph import _BoxedCodeGen
 
 from seqcompile import capture as capture_mod
 from seqcompile import structure, verify
@@ -32,6 +31,7 @@ from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
 from seqcompile.fx_utils import has_symbols
 from seqcompile.lower import choose_implementations, implement
+from seqcompile.lower.executor import Executor, mode_settings, static_inputs
 from seqcompile.memory.passes import PASSES, Plan, plan_inference
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -56,6 +56,8 @@ class GraphCompile:
     rest: str
     example_inputs: Sequence[Any]
     dump: GraphDump
+    executor: Executor
+    """What compiles the planned graphs (`rest`, under torch.compile's mode)."""
     report: CompileReport = dataclasses.field(default_factory=CompileReport)
     fuse_only: frozenset[str] | None = None
     """Keys of the sites the fuse stage may fuse (None: every site it can)."""
@@ -253,25 +255,17 @@ def lower_backward(
 def _executable(
     gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
 ) -> Callable[[list[Any]], Any]:
-    """`gm` on the chosen executor, called the boxed way."""
+    """`gm` on the chosen executor, its fused calls implemented as chosen, called the boxed
+    way."""
     state.dump.stage(f"lower_{kind}", gm)
     where = (state.name, _DIRECTIONS[kind])
     if implement(gm, example_inputs, state.options, state.rest, state.report, where):
         state.dump.stage(f"lower_{kind}_inlined", gm)
-    if state.rest == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        compiled = compile_fx_inner(
-            gm,
-            example_inputs,
-            is_backward=kind.startswith("backward"),
-            is_inference=kind == "inference",
-        )
-        source = getattr(compiled, "source_code", None)
-        if isinstance(source, str):
-            state.dump.stage(f"lower_{kind}_inductor_code", source)
-        return compiled
-    return _boxed(gm)
+    compiled = state.executor.compile(gm, example_inputs, kind)
+    source = getattr(compiled, "source_code", None)
+    if isinstance(source, str):
+        state.dump.stage(f"lower_{kind}_inductor_code", source)
+    return compiled
 
 
 _DIRECTIONS = {
@@ -281,20 +275,6 @@ _DIRECTIONS = {
     "inference": "inference",
 }
 """The report's name for each kind of lowered graph (as stage 5 lists their kernels)."""
-
-
-def _boxed(gm: GraphModule) -> Callable[[list[Any]], Any]:
-    """`gm` called the boxed way AOTAutograd prefers: it takes the list of inputs and empties it,
-    so each input (a saved activation, in a backward) is freed after its last use rather than at
-    the graph's end."""
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
-
-    def run(args: list[Any]) -> Any:
-        return gm(args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 STAGES = (capture, normalize, fuse)
@@ -345,11 +325,13 @@ def seqfast(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """The backend Dynamo calls (registered as "seqfast" through the `torch_dynamo_backends` entry
-    point). `options` come from `torch.compile(..., options=...)`; `mode` is accepted and unused."""
+    point). `options` come from `torch.compile(..., options=...)`; `mode` (torch.compile's) sets
+    Inductor's settings for the graphs it compiles (`lower/executor.py`)."""
     # Dynamo calls a backend at the compiled function's first call, not at torch.compile: the
     # options, and the folders they and SEQFAST_CACHE_DIR name, are checked here, before any work
     try:
         opts = Options.resolve(options)
+        settings = mode_settings(mode)
         if not opts.disable:
             check_cache_dir()
     except OptionError as error:
@@ -360,7 +342,7 @@ def seqfast(
         return gm.forward
     name = f"graph_{next(_graph_ids)}"
     try:
-        compiled, state, fused = _compile(gm, example_inputs, opts, name=name)
+        compiled, state, fused = _compile(gm, example_inputs, opts, name=name, settings=settings)
     except capture_mod.Uncompilable as reason:
         return _as_captured(gm, str(reason), name)
     except Exception as error:  # on a tensor subclass the stages do not know, never a crash
@@ -424,14 +406,23 @@ def _compile(
     opts: Options,
     fuse_only: frozenset[str] | None = None,
     name: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[Callable[..., Any], GraphCompile, Fused]:
-    """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused. Returns the
-    compiled graph, what the compile was given (with its report) and what fuse returned."""
+    """The stages, run on Dynamo's graph; `fuse_only` limits which sites are fused, `settings`
+    are Inductor's for torch.compile's mode. Returns the compiled graph, what the compile was
+    given (with its report) and what fuse returned."""
     name = name or f"graph_{next(_graph_ids)}"
+    rest = opts.rest or _default_rest(example_inputs)
     state = GraphCompile(
         name=name,
         options=opts,
-        rest=opts.rest or _default_rest(example_inputs),
+        rest=rest,
+        executor=Executor(
+            rest,
+            dict(settings or {}),
+            static_inputs(gm),
+            len(gm.graph.find_nodes(op="placeholder")),
+        ),
         example_inputs=example_inputs,
         dump=GraphDump(opts.dump_dir, name),
         fuse_only=fuse_only,
@@ -478,7 +469,12 @@ def _verify(
             def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
                 # with dynamic shapes, at the symbolic sizes, so the result serves every size
                 again, again_state, again_fused = _compile(
-                    gm, symbolic or args, quiet, only, name=f"{state.name}_without_some_sites"
+                    gm,
+                    symbolic or args,
+                    quiet,
+                    only,
+                    name=f"{state.name}_without_some_sites",
+                    settings=state.executor.settings,
                 )
                 _release(again_state)
                 recompiled.append((again, again_state.report))
