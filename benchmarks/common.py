@@ -53,9 +53,10 @@ class ModelSetup(NamedTuple):
     length: int
 
 
-def model_setup(doc: str, extra: Sequence[tuple[str, int]] = ()) -> ModelSetup:
+def model_setup(doc: str, extra: Sequence[tuple[str, int | str]] = ()) -> ModelSetup:
     """The options every whole-model benchmark takes (`--quick`, `--short`, `--no-inductor`,
-    `--batch`, `--length`, `--output`, and `extra` whole-number options with their defaults), the
+    `--batch`, `--length`, `--output`, and `extra` options with their defaults, each of its
+    default's type), the
     device, and the model: GPT-2-small-shaped, or a tiny GPT on 2 x 16 tokens with `--quick`
     (`--short` keeps the model and runs fewer steps or cases)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -64,7 +65,7 @@ def model_setup(doc: str, extra: Sequence[tuple[str, int]] = ()) -> ModelSetup:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     for name, default in extra:
-        parser.add_argument(name, type=int, default=default)
+        parser.add_argument(name, type=type(default), default=default)
     parser.add_argument("--output", help="append the markdown table to this file")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

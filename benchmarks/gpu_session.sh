@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks and measures, in one call of at most ~405 s, most valuable first:
-#   1. pytest_gpu   the GPU test tier: every generated kernel against its reference on the device
-#   2. ceilings     copy bandwidth and bf16 matmul rate, measured in the same run
-#   3. train_step   end-to-end training step: tokens/s and peak memory vs eager and Inductor
-#   4. attention, loss, norm, pointwise, attention_mods   kernel benchmarks (--short sizes)
-#   5. memory_budget
+#   1. step_profile  where the demo GPT's training step spends its time, for eager, Inductor and
+#                    seqfast (kernel groups, launches, host enqueue time, device busy fraction),
+#                    and what each fused call runs
+#   2. train_step    the headline: tokens/s and peak memory of three models (the demo GPT, a GPT-2
+#                    through SDPA, a LLaMA-style model) vs eager and Inductor
+#   3. pytest_gpu    the GPU test tier: every generated kernel against its reference on the device
+#   4. ceilings      copy bandwidth and bf16 matmul rate, measured in the same run
+#   5. train_step_graphs   the three models again under mode="reduce-overhead" (CUDA graphs)
+#   6. attention, loss, norm, pointwise, attention_mods   kernel benchmarks (--short sizes)
+#   7. memory_budget
 # Each step runs under `timeout` with its own budget, so one that fails or hangs costs only that.
 # The budgets form a schedule: a step may also use what the steps before it left unused (at most
 # twice its own budget), never what is planned for the steps after it, and nothing runs past the
@@ -14,7 +19,8 @@
 # compiles (Triton's JIT at each kernel's first launch) happen inside the steps and count.
 #
 #   bash benchmarks/gpu_session.sh [STEP ...]     (default: every step, in the order above)
-#   steps: pytest_gpu ceilings train_step attention loss norm pointwise attention_mods memory_budget
+#   steps: step_profile train_step pytest_gpu ceilings train_step_graphs attention loss norm
+#          pointwise attention_mods memory_budget
 #   BENCH_SIZE=--quick SESSION_SECONDS=900 bash benchmarks/gpu_session.sh   (a smoke run on a CPU)
 #
 # Writes into ${OUT:-benchmarks/out}: session.log (everything), pytest_gpu.txt, results.md (the
@@ -38,7 +44,8 @@ deadline=$((SECONDS + ${SESSION_SECONDS:-395}))
 schedule=-1 # where the budgets planned so far end; set when the first step starts
 work="$(mktemp -d)"
 statuses=()
-steps=(pytest_gpu ceilings train_step attention loss norm pointwise attention_mods memory_budget)
+steps=(step_profile train_step pytest_gpu ceilings train_step_graphs attention loss norm pointwise
+    attention_mods memory_budget)
 for name in "$@"; do
     [[ " ${steps[*]} " == *" $name "* ]] || {
         echo "unknown step '$name'; the steps: ${steps[*]}" >&2
@@ -150,7 +157,27 @@ if grep -q '^device: NO CUDA' "$work/facts.txt"; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 1. the GPU test tier: tests/test_gpu.py (85 tests) and every registry sample on CUDA (78). Its
+# measurements, appended to results.md; every executor is checked before it is timed
+
+bench() { # bench NAME BUDGET MODULE ARGS...
+    local name=$1 budget=$2 module=$3
+    shift 3
+    wanted "$name" ${selected[@]+"${selected[@]}"} || return 0
+    if [[ -n $no_cuda && $size != --quick ]]; then # full-scale sizes on a CPU: no
+        statuses+=("$(printf '%-15s skipped: no CUDA device' "$name")")
+        return 0
+    fi
+    step "$name" "$budget" "$py" -m "benchmarks.$module" "$@" --output "$out/results.md"
+}
+selected=("$@")
+last_rc=0 last_took=0
+# 1-2. where the step's time goes, then the headline models (~40-60 s per GPT-2-small compile:
+# step_profile compiles twice, train_step six times at --short)
+bench step_profile 90 step_profile "$size"
+bench train_step 150 train_step "$size" --modes default
+
+# ---------------------------------------------------------------------------------------------
+# 3. the GPU test tier: tests/test_gpu.py (85 tests) and every registry sample on CUDA (78). Its
 # kernels take ~0.5-3 s each to compile (first launch) and it compiles a few hundred, ~8
 # CPU-minutes in all; the longest test, plan_batch's, plans twice (~100 s each on this project's
 # 2-core CPU host) before it trains. pytest-xdist spreads them over 12 processes (16 cores), the
@@ -178,28 +205,13 @@ if wanted pytest_gpu "$@"; then
     cp "$work/pytest_gpu.log" "$out/pytest_gpu.txt" 2>/dev/null
 fi
 
-# ---------------------------------------------------------------------------------------------
-# 2-5. measurements, appended to results.md; every executor is checked before it is timed
-
-bench() { # bench NAME BUDGET MODULE ARGS...
-    local name=$1 budget=$2 module=$3
-    shift 3
-    wanted "$name" ${selected[@]+"${selected[@]}"} || return 0
-    if [[ -n $no_cuda && $size != --quick ]]; then # full-scale sizes on a CPU: no
-        statuses+=("$(printf '%-15s skipped: no CUDA device' "$name")")
-        return 0
-    fi
-    step "$name" "$budget" "$py" -m "benchmarks.$module" "$@" --output "$out/results.md"
-}
-selected=("$@")
-last_rc=0 last_took=0
-# budgets: ceilings is three copies and two matmuls; train_step compiles GPT-2 small twice (seqfast,
-# whose remainder Inductor compiles, and Inductor), ~40-60 s each; attention compiles 4 kernel
+# 4-7. budgets: ceilings is three copies and two matmuls; train_step_graphs compiles each model
+# twice more (seqfast and Inductor under CUDA graphs); attention compiles 4 kernel
 # variants x 4 kernels (~2.5 s each); loss 2 cases x 2 compiles; norm and pointwise 4 cases with an
 # Inductor compile each; attention_mods 3 FlexAttention compiles (~10 s each) and 3 x 4 kernels;
 # memory_budget compiles GPT-2 small three times
 bench ceilings 20 ceilings "$size"
-bench train_step 110 train_step "$size"
+bench train_step_graphs 120 train_step "$size" --modes reduce-overhead
 bench attention 50 attention "$size"
 bench loss 30 loss "$size"
 bench norm 30 norm_kernels "$size"

@@ -30,8 +30,20 @@ class Headline:
 
 
 HEADLINES = [
-    Headline("GPT-2-small train step: tokens/s", "Training step", {}, "tokens/s", True),
-    Headline("GPT-2-small train step: peak GiB", "Training step", {}, "peak GiB", False),
+    Headline("demo GPT train step: tokens/s", "Training step", {"model": "demo"}, "tokens/s", True),
+    Headline(
+        "demo GPT train step: peak GiB", "Training step", {"model": "demo"}, "peak GiB", False
+    ),
+    Headline(
+        "GPT-2 (SDPA) train step: tokens/s",
+        "Training step",
+        {"model": "gpt2-sdpa"},
+        "tokens/s",
+        True,
+    ),
+    Headline(
+        "LLaMA-style train step: tokens/s", "Training step", {"model": "llama"}, "tokens/s", True
+    ),
     Headline(
         "attention fwd+bwd ms, bf16, no mask",
         "Fused attention",
@@ -99,7 +111,7 @@ def headline_row(headline: Headline, tables: dict[str, list[dict[str, str]]]) ->
     others = [next((v for e, v in values.items() if e.startswith(k)), "-") for k in OTHERS]
     numbers = [float(v) for v in others if _is_number(v)]
     versus = "-"
-    if numbers and _is_number(seqfast):
+    if numbers and _is_number(seqfast) and float(seqfast) and all(numbers):  # (0: not measured)
         best = max(numbers) if headline.higher_is_better else min(numbers)
         ratio = float(seqfast) / best if headline.higher_is_better else best / float(seqfast)
         versus = f"{ratio:.2f}x"

@@ -21,6 +21,19 @@ def test_benchmark_quick_run_writes_a_table(module, tmp_path):
     assert "| eager |" in text and "| seqfast |" in text
 
 
+def test_the_step_profile_groups_the_time_and_says_what_each_fused_call_runs(tmp_path):
+    text = quick_run("benchmarks.step_profile", tmp_path)
+    assert "| matmuls |" in text and "| host ms to enqueue a step |" in text
+    assert re.search(r"^- add_norm forward: kernel: \d+$", text, re.MULTILINE), text
+
+
+def test_the_train_step_runs_each_model_in_each_mode(tmp_path):
+    text = quick_run("benchmarks.train_step", tmp_path)
+    for model in ("demo", "gpt2-sdpa", "llama"):
+        assert f"| {model} | seqfast reduce-overhead |" in text
+    assert "MISMATCH" not in text
+
+
 def test_the_score_modifications_benchmark_checks_every_executor_it_times(tmp_path):
     text = quick_run("benchmarks.attention_mods", tmp_path)
     for mod in ("causal", "window", "softcap", "alibi", "t5 buckets", "documents"):
@@ -66,10 +79,33 @@ def test_the_headline_reads_each_measure_from_a_sessions_tables():
     """On a committed GPU session's results: each value is its table's, for the first case; a
     table the session did not reach is said to be missing."""
     text = (ROOT / "benchmarks" / "results" / "nvidia-h200.md").read_text()
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in headline_table(text)}
-    train = rows["GPT-2-small train step: tokens/s"].split(" | ")
+    train_step = "\n".join(
+        [
+            "## Training step, GPT-2-small scale, bf16 autocast",
+            "",
+            "| model | executor | tokens/s | peak GiB | check |",
+            "|---|---|---|---|---|",
+            "| demo | eager | 1e+05 | 12 | the reference |",
+            "| demo | inductor | 2.65e+05 | 12.1 | ok |",
+            "| demo | seqfast | 1.09e+05 | 5.25 | ok |",
+            "| llama | eager | 9e+04 | 14 | the reference |",
+            "| llama | inductor | 2e+05 | 13 | ok |",
+            "| llama | seqfast | 2.2e+05 | 9 | MISMATCH |",
+            "",
+        ]
+    )
+    text = text.replace("## Training step", "## (an older table) Training step")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in headline_table(train_step + text)}
+    train = rows["demo GPT train step: tokens/s"].split(" | ")
     assert train[1:6] == ["1e+05", "2.65e+05", "-", "-", "1.09e+05"] and train[6] == "0.41x"
+    assert rows["demo GPT train step: peak GiB"].split(" | ")[6] == "2.29x"
+    llama = rows["LLaMA-style train step: tokens/s"].split(" | ")
+    assert llama[6] == "1.10x" and llama[7].startswith("MISMATCH")
+    assert "no such case in this run" in rows["GPT-2 (SDPA) train step: tokens/s"]
+    on_a_cpu = train_step.replace("| 5.25 |", "| 0 |")  # a CPU reports no peak
+    cpu = {line.split(" | ")[0].lstrip("| "): line for line in headline_table(on_a_cpu)}
+    assert cpu["demo GPT train step: peak GiB"].split(" | ")[6] == "-"
     attention = rows["attention fwd+bwd ms, bf16, no mask"]
     assert "| 6.31 |" in attention and "| 14.8 |" in attention and "L 4096, D 128" in attention
     assert "not measured in this run" in rows["attention fwd+bwd ms, causal"]
-    assert all("not measured" in line for line in headline_table("") if "GPT-2" in line)
+    assert all("not measured" in line for line in headline_table("") if "train step" in line)

@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.errors import TritonError
 
-from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
+from seqcompile.codegen.cache import CACHE_ENV, add_entry, cache_dir, read_entries, text_digest
 from seqcompile.codegen.render import KernelSpec
 
 log = logging.getLogger("seqcompile")
@@ -76,25 +76,29 @@ def launch(
     launch the kernel with the configuration's options and nothing else that changes with it."""
     chosen = space[0]
     if len(space) > 1 and repeatable and autotuning(device):
-        entry = "|".join([spec.name, text_digest(repr(spec.key)), *map(str, key)])
-        chosen = _tuned(entry, space, run, device)
+        remembered = (spec, tuple(key), device, os.environ.get(CACHE_ENV, ""))
+        chosen = _MEMORY.get(remembered)
+        if chosen is None:
+            chosen = _MEMORY[remembered] = _tuned(spec, key, space, run, device)
     run(chosen)
     return chosen
 
 
-_MEMORY: dict[tuple[str, str], Config] = {}
+_MEMORY: dict[tuple[KernelSpec, tuple[Any, ...], torch.device, str], Config] = {}
+"""The configuration chosen at each (kernel, key, device, cache folder setting) in this process:
+every launch after the first looks it up here before anything is hashed, named or read."""
 
 
-def _tuned(entry: str, space: Sequence[Config], run, device: torch.device) -> Config:
+def _tuned(spec: KernelSpec, key, space: Sequence[Config], run, device: torch.device) -> Config:
+    """The configuration the tuning file holds for the kernel of `spec` at `key`, or the fastest
+    of `space`, timed now and added to the file."""
+    entry = "|".join([spec.name, text_digest(repr(spec.key)), *map(str, key)])
     path = tuning_file(device)
-    if (str(path), entry) in _MEMORY:
-        return _MEMORY[str(path), entry]
     found = read_entries(path, "tuning").get(entry)
     chosen = next((c for c in space if _as_json(c) == found), None)
     if chosen is None:
         chosen = _fastest(entry, space, run)
         add_entry(path, entry, _as_json(chosen))
-    _MEMORY[str(path), entry] = chosen
     return chosen
 
 

@@ -65,6 +65,23 @@ def test_the_fastest_candidate_is_chosen_once_and_read_back_from_disk(timed, tmp
     assert launch(timed, key=("bf16", 64)) == SPACE[1] and len(timed["timed"]) == 6  # a new key
 
 
+def test_a_remembered_launch_names_hashes_and_reads_nothing(timed, monkeypatch, tmp_path):
+    """The host cost of every launch after the first: a dictionary lookup, no file name (on CUDA
+    the device's name and the cache folder's creation), no hash of the kernel's key, no read."""
+    timed["times"] = {SPACE[0]: 2.0, SPACE[1]: 1.0, SPACE[2]: 3.0}
+    launch(timed)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a remembered launch looked beyond its memory")
+
+    for name in ("tuning_file", "text_digest", "read_entries"):
+        monkeypatch.setattr(tuning, name, refuse)
+    assert launch(timed) == SPACE[1]
+    monkeypatch.setenv("SEQFAST_CACHE_DIR", str(tmp_path / "elsewhere"))  # another folder: anew
+    with pytest.raises(AssertionError, match="looked beyond its memory"):
+        launch(timed)
+
+
 @pytest.mark.parametrize(
     "text", ['{"x": 1', "[]", None], ids=["truncated", "not_a_table", "outside_the_space"]
 )
