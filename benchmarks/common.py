@@ -177,6 +177,17 @@ def emit(lines: list[str], output: str | None) -> None:
             f.write(text + "\n")
 
 
+def emit_with_failures(
+    lines: list[str], failures: Sequence[str], output: str | None, module: str
+) -> None:
+    """`emit` the section with its failed runs listed last, then exit non-zero where any failed."""
+    if failures:
+        lines = [*lines, "", "Failed:", *(f"- {failure[:200]}" for failure in failures)]
+    emit(lines, output)
+    if failures:
+        raise SystemExit(f"{module}: {len(failures)} runs failed")
+
+
 def emit_checked(lines: list[str], rows: Sequence[Sequence[object]], output: str | None,
                  module: str) -> None:  # fmt: skip
     """`emit`, then exit non-zero when a row's last column (its check) says FAILED."""

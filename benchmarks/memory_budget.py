@@ -17,7 +17,15 @@ import time
 
 import torch
 
-from benchmarks.common import brief, device_name, emit, header, model_setup, progress, table
+from benchmarks.common import (
+    brief,
+    device_name,
+    emit_with_failures,
+    header,
+    model_setup,
+    progress,
+    table,
+)
 from seqcompile.demo import GPT, toy_batch
 from seqcompile.report import collecting
 
@@ -138,11 +146,7 @@ def main() -> None:
         "step ms",
     ]
     lines += table([*columns, "loss", "check"], [dataclasses.astuple(row) for row in rows])
-    if failures:
-        lines += ["", "Failed:", *(f"- {failure[:200]}" for failure in failures)]
-    emit(lines, args.output)
-    if failures:
-        raise SystemExit(f"benchmarks.memory_budget: {len(failures)} runs failed")
+    emit_with_failures(lines, failures, args.output, "benchmarks.memory_budget")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import brief, emit, header, model_setup, table
+from benchmarks.common import brief, emit_with_failures, header, model_setup, table
 from seqcompile import report
 from seqcompile.demo import GPT, toy_batch
 
@@ -170,11 +170,7 @@ def main() -> None:
     if runs:
         lines += ["", "What seqfast's fused calls run (calls per compile):", ""]
         lines += [f"- {what}: {n}" for what, n in sorted(runs.items())]
-    if failures:
-        lines += ["", "Failed:", *(f"- {failure}" for failure in failures)]
-    emit(lines, args.output)
-    if failures:
-        raise SystemExit(f"benchmarks.step_profile: {len(failures)} executors failed")
+    emit_with_failures(lines, failures, args.output, "benchmarks.step_profile")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import brief, emit, header, model_setup, progress, table
+from benchmarks.common import brief, emit_with_failures, header, model_setup, progress, table
 from benchmarks.step_models import MODELS, build
 from seqcompile.demo import toy_batch
 
@@ -123,11 +123,7 @@ def main() -> None:
     columns = ["model", "executor", "tokens/s", "step ms", "peak GiB", "x eager tokens/s"]
     columns += ["x eager peak", "x inductor tokens/s", "x inductor peak", "loss", "check"]
     lines += ["", *table(columns, rows)]
-    if failures:
-        lines += ["", "Failed:", *(f"- {failure}" for failure in failures)]
-    emit(lines, args.output)
-    if failures:
-        raise SystemExit(f"benchmarks.train_step: {len(failures)} runs failed")
+    emit_with_failures(lines, failures, args.output, "benchmarks.train_step")
 
 
 def _rows(results: dict[str, Any], failures: list[str], model_name: str) -> list[list[Any]]:
