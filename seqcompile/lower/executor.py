@@ -64,17 +64,13 @@ class Executor:
                 log.info("seqfast: the eager executor runs without CUDA graphs")
             return _boxed(gm)
         from torch._inductor import config
-        from torch._inductor.compile_fx import (
-            compile_fx_inner,
-            count_tangents,
-            get_static_input_idxs,
-        )
+        from torch._inductor.compile_fx import compile_fx_inner, get_static_input_idxs
 
         with config.patch(self.settings):
             shared = self._cuda_graphs()
             backward = kind.startswith("backward")
-            if backward:  # what the forward saved (its outputs, under CUDA graphs) is fixed
-                static = list(range(count_tangents(gm)))
+            if backward:
+                static = _saved_inputs(gm)
             elif len(example_inputs) == self.inputs:
                 static = list(self.static_inputs)
             else:
@@ -103,6 +99,22 @@ class Executor:
                 "graph_id": next(_graph_ids),
             }
         return self._shared
+
+
+_NOT_SAVED = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
+"""What a backward input is named where the forward did not save it (as Inductor tells them)."""
+
+
+def _saved_inputs(gm: GraphModule) -> list[int]:
+    """The backward's leading inputs that the forward saved: under CUDA graphs they are the
+    forward's outputs, at fixed addresses (Inductor's `count_tangents`, which asserts they all come
+    first; an accumulating backward takes the `.grad` buffers after its tangents)."""
+    static = []
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        if any(word in node.name for word in _NOT_SAVED):
+            break
+        static.append(i)
+    return static
 
 
 def static_inputs(gm: GraphModule) -> tuple[int, ...]:
