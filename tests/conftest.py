@@ -159,7 +159,7 @@ def pytest_report_header(config):
     return rotation.header()
 
 
-KERNEL_PATHS_ROTATING = {"tests/ops/test_attention.py": 2}
+KERNEL_PATHS_ROTATING = {"tests/ops/test_attention.py": 3}
 """Files whose `impl` sweeps take the kernel path of a part of their cases per run, in turn
 (`tests/rotation.py`): the default run has a time budget, and the interpreter's attention is its
 heaviest share."""
