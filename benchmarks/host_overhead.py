@@ -1,9 +1,12 @@
 """The host's cost of seqfast's fused calls, measured on CPU with every kernel launch stubbed out
 and the kernel path otherwise as on CUDA (argument checks, specs, configuration spaces, the tuning
-lookup, allocations): one training step of a 2-layer GPT-2-small-shaped model is compiled, each
-fused call it makes is recorded, and each is then replayed alone and timed. Printed: microseconds
-per call by op beside an empty custom op's, and per step the fused calls, the launches and the
-host milliseconds those calls take.
+lookup, allocations): one training step of a 2-layer GPT-2-small-shaped model is compiled with its
+fused calls called as ops (the route where the executor cannot launch their kernels itself: the
+eager executor on CUDA, a call whose launches do not trace), each call it makes is recorded, and
+each is then replayed alone and timed. Printed: microseconds per call by op beside an empty custom
+op's, and per step the fused calls, the launches and the host milliseconds those calls take. Then
+the same step compiled as it is by default, its kernels' launches traced into the graphs
+(`lower/traced_launches.py`): the fused calls left that run the op's Python per step.
 
     python -m benchmarks.host_overhead [--quick] [--reps N] [--output FILE]
 """
@@ -27,8 +30,9 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import emit, header, table, timed_ms
+from seqcompile import lower
 from seqcompile.codegen import counting_launches
-from seqcompile.codegen.launches import CountedKernel
+from seqcompile.codegen.launches import CountedKernel, launches_traced
 from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
 from seqcompile.run import runtime, tuning
 
@@ -52,6 +56,8 @@ def stubbed_launches(folder: Path) -> Iterator[None]:
     getitem = CountedKernel.__getitem__
 
     def no_launch(self: CountedKernel, grid: Any) -> Callable[..., Any]:
+        if launches_traced():  # a trace of the launch, which runs it later, stubbed then
+            return getitem(self, grid)
         real, self.jit = self.jit, _NoLaunch()
         try:
             return getitem(self, grid)
@@ -129,6 +135,17 @@ class CountingATenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def calls_as_ops() -> Iterator[None]:
+    """Compiles in this block call their fused ops (their kernels' launches are not traced)."""
+    traced = lower.launches_inlined
+    lower.launches_inlined = lambda device, executor: False
+    try:
+        yield
+    finally:
+        lower.launches_inlined = traced
+
+
 def microseconds(fn: Callable[[], object], reps: int) -> float:
     """Median microseconds per call of `fn` on the host, over `reps` timed calls."""
     return 1e3 * timed_ms(fn, torch.device("cpu"), reps=reps)
@@ -168,8 +185,13 @@ def main() -> None:
         step_model(*data).backward()
 
     with tempfile.TemporaryDirectory() as folder, stubbed_launches(Path(folder)):
-        step()  # compiles
+        with calls_as_ops():
+            step()  # compiles
         with recording_fused_calls() as calls, counting_launches() as launches:
+            step()
+        torch._dynamo.reset()
+        step()  # compiles as by default
+        with recording_fused_calls() as still_called, counting_launches() as traced_launches:
             step()
         by_op: dict[str, list[tuple[float, int]]] = {}
         for call in calls:  # as the compiled graphs call them: beneath autograd
@@ -199,6 +221,10 @@ def main() -> None:
         f" {len(calls) - computing} whose ATen ops only allocate and view",
         f"- the {computing} calls whose ATen ops compute (the count in brackets) ran that compute"
         " on the CPU here, inside their time; on CUDA it would be launches",
+        f"- launches traced into the graphs (the default where the executor launches them):"
+        f" {len(still_called)} fused calls per step run the op's Python"
+        f" ({', '.join(sorted({str(c.op) for c in still_called})) or 'none'}),"
+        f" {sum(traced_launches.names().values())} launches",
         "",
         *table(
             ["op", "calls per step", "us per call", "us beyond an empty custom op", "ATen ops"],

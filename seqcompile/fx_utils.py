@@ -286,3 +286,10 @@ def site_name(node: Node) -> str:
                 line_no = file_part[2].split(",")[1].strip().removeprefix("line ")
                 where.append(f"{file_part[1].rsplit('/', 1)[-1]}:{line_no}")
     return f"{node.name} ({', '.join(where)})" if where else node.name
+
+
+def device_of(node: Node) -> torch.device:
+    """The device of the call's tensors (meta where it has none)."""
+    values = [a.meta.get("val") for a in node.all_input_nodes]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("meta")

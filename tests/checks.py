@@ -133,6 +133,8 @@ class AccumulatingCalls(TorchDispatchMode):
     """Counts the `seqfast::accumulate*` ops that run: the accumulating backward launches them,
     the backward that hands gradients to autograd none."""
 
+    supports_higher_order_operators = True  # (traced kernel launches pass through)
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -170,6 +172,8 @@ class SeqfastCalls(TorchDispatchMode):
     """Records each call of a `seqfast` op (forward, backward, in-place twin) below autograd, to
     check that its fake implementation, which compiled graphs are planned by, gives each output
     the shape, dtype and strides the call gave it."""
+
+    supports_higher_order_operators = True  # (traced kernel launches pass through)
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,7 +1,12 @@
 """Counts of generated-kernel launches while a `counting_launches()` block is open: how a test
 proves that the generated kernels ran rather than the reference implementation. While a
 `recording_launches()` block is open, each launch is also kept with what it passed, typed as
-Triton types it: what compiling that launch ahead of time for a GPU needs."""
+Triton types it: what compiling that launch ahead of time for a GPU needs.
+
+While a `tracing_launches()` block is open, a launch is not run but traced (`wrap_triton`): a fused
+call's implementation traced at fake values becomes graph nodes that the executor launches from
+its own code. Under Triton's interpreter the traced kernel is a `JITFunction` that launches the
+interpreted one, counted as any other launch."""
 
 from __future__ import annotations
 
@@ -13,11 +18,14 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from triton.runtime.jit import JITFunction
+
 if TYPE_CHECKING:
     from seqcompile.codegen.render import KernelSpec
 
 _lock = threading.Lock()
 _open: list[LaunchCount | LaunchRecord] = []
+_tracing = threading.local()
 _Listener = TypeVar("_Listener", "LaunchCount", "LaunchRecord")
 
 
@@ -139,6 +147,23 @@ def recording_launches() -> Iterator[LaunchRecord]:
         yield record
 
 
+@contextlib.contextmanager
+def tracing_launches() -> Iterator[None]:
+    """Trace the generated-kernel launches of this block (on this thread) instead of running them:
+    each becomes a `triton_kernel_wrapper` node of the graph `make_fx` is tracing."""
+    before = launches_traced()
+    _tracing.on = True
+    try:
+        yield
+    finally:
+        _tracing.on = before
+
+
+def launches_traced() -> bool:
+    """Whether a `tracing_launches()` block is open on this thread."""
+    return getattr(_tracing, "on", False)
+
+
 class CountedKernel:
     """A generated `@triton.jit` function, launched as one is (`kernel[grid](...)`), with each
     launch added to the open counts. `jit` is the function itself, for Triton's own tools."""
@@ -148,8 +173,13 @@ class CountedKernel:
         self.stem = stem
         """The generated file's stem, also the function's name."""
         self.jit = jit
+        self._traceable: JITFunction | None = None
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        if launches_traced():
+            from torch.library import wrap_triton
+
+            return wrap_triton(self.traceable())[grid]
         launch = self.jit[grid]
         if not _open:  # nothing is counting: Triton's own launcher, at its own cost
             return launch
@@ -161,6 +191,15 @@ class CountedKernel:
             return result
 
         return counted
+
+    def traceable(self) -> JITFunction:
+        """The function a traced launch names: `jit` itself, or under the interpreter (whose
+        functions `wrap_triton` does not trace) a `JITFunction` that launches it."""
+        if isinstance(self.jit, JITFunction):
+            return self.jit
+        if self._traceable is None:
+            self._traceable = _Interpreted(self)
+        return self._traceable
 
     def bind(
         self, args: tuple, kwargs: dict[str, Any]
@@ -176,3 +215,25 @@ class CountedKernel:
             for name, value in bound.arguments.items()
         }
         return arguments, {k: v for k, v in kwargs.items() if k not in parameters}
+
+
+class _Interpreted(JITFunction):
+    """A `JITFunction` of an interpreted kernel's source, for tracing: where a traced graph
+    launches it (`kernel[grid](...)`, or `run` from the autotuner `wrap_triton` wraps a launch's
+    options in), the interpreted kernel runs, counted."""
+
+    def __init__(self, kernel: CountedKernel) -> None:
+        super().__init__(kernel.jit.fn)
+        self._kernel = kernel
+
+    @property
+    def cache_key(self) -> str:
+        """The generated file's stem, which names its text by hash (Triton's own key would walk
+        the interpreted functions the kernel calls, which it cannot hash)."""
+        return self._kernel.stem
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return self._kernel[grid]
+
+    def run(self, *args: Any, grid: Any, warmup: bool = False, **kwargs: Any) -> Any:
+        return self._kernel[grid](*args, **kwargs)

@@ -1,24 +1,31 @@
 """Stage 6's fused calls: what each runs (`choice.py`, measured by `measure.py`), chosen for all
 of a plan's graphs once stage 5 has made them (so the report says it at compile time, though the
-backward is lowered only at the first backward), and, where a call runs its lowering, the lowering
-inlined into its graph (`inline.py`) for the executor to compile with its neighbours."""
+backward is lowered only at the first backward), and inlined into its graph (`inline.py`): a call
+that runs its lowering as plain ATen for the executor to compile with its neighbours, a call that
+runs its kernels as their launches, for the executor to make from its own code (on CUDA under
+Inductor, and under Triton's interpreter with the eager executor, which runs what CUDA runs)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import site_name
+from seqcompile.fx_utils import device_of, site_name
 from seqcompile.lower.choice import Choice, choose
 from seqcompile.lower.inline import fake_mode_of, inline_lowerings
+from seqcompile.lower.traced_launches import inline_launches, launch_trace, launches_inlined
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, ImplementationUse
 
-__all__ = ["CHOSEN", "choose_implementations", "implement"]
+__all__ = ["CHOSEN", "choose_implementations", "implement", "launches_inlined"]
+
+log = logging.getLogger("seqcompile")
 
 CHOSEN = "seqfast_implementation"
 """The `node.meta` key of a fused call's `Choice`."""
@@ -36,6 +43,8 @@ def choose_implementations(
     (`where`: the graph's name and direction)."""
     graph, direction = where
     for node, choice in choose(gm, fake_mode, options, executor).items():
+        if choice.implementation == "kernel" and launches_inlined(device_of(node), executor):
+            choice = _launching(node, choice, fake_mode)
         node.meta[CHOSEN] = choice
         label = registry.entry_of(node).label_of(Call.of(node))
         site = site_name(node)
@@ -43,6 +52,15 @@ def choose_implementations(
             graph, direction, label, node.name, site, choice.implementation, choice.reason
         )
         report.add_implementation(use)
+
+
+def _launching(node: Node, choice: Choice, fake_mode: Any) -> Choice:
+    """`choice` (the call's kernels), launched by the executor where the call's launches trace."""
+    traced = launch_trace(node, fake_mode)
+    if isinstance(traced, str):
+        return dataclasses.replace(choice, reason=f"{choice.reason}; called as an op: {traced}")
+    how = f"{choice.reason}; launched by the executor"
+    return dataclasses.replace(choice, reason=how, launched=True)
 
 
 def implement(
@@ -53,19 +71,24 @@ def implement(
     report: CompileReport,
     where: tuple[str, str],
 ) -> list[str]:
-    """Inline the lowerings chosen for `gm`'s fused calls (choosing first for a graph that
-    reaches stage 6 without its choices); the ops inlined, in order."""
+    """Inline the lowerings chosen for `gm`'s fused calls, and the launches of those that run
+    kernels the executor launches (choosing first for a graph that reaches stage 6 without its
+    choices); the ops inlined, in order."""
+    fake_mode = fake_mode_of(gm, example_inputs)
     if any(_unchosen(node) for node in gm.graph.nodes):
-        fake_mode = fake_mode_of(gm, example_inputs)
         choose_implementations(gm, fake_mode, options, executor, report, where)
-    lowered = [node for node in gm.graph.nodes if _runs(node) == "lowering"]
-    return inline_lowerings(gm, example_inputs, lowered)
+    launched = [node for node in gm.graph.nodes if _chosen(node).launched]
+    ops = [str(node.target) for node in launched]
+    for node, why in inline_launches(gm, fake_mode, launched).items():
+        log.warning("seqfast: %s is called as an op after all: %s", node.name, why)
+    lowered = [node for node in gm.graph.nodes if _chosen(node).implementation == "lowering"]
+    return ops + inline_lowerings(gm, example_inputs, lowered)
 
 
 def _unchosen(node: Any) -> bool:
     return registry.entry_of(node) is not None and not isinstance(node.meta.get(CHOSEN), Choice)
 
 
-def _runs(node: Any) -> str | None:
+def _chosen(node: Any) -> Choice:
     choice = node.meta.get(CHOSEN)
-    return choice.implementation if isinstance(choice, Choice) else None
+    return choice if isinstance(choice, Choice) else Choice("", "")

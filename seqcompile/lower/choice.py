@@ -30,8 +30,8 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
 from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
-from seqcompile.fx_utils import concrete
-from seqcompile.lower.inline import traced_lowering
+from seqcompile.fx_utils import concrete, device_of
+from seqcompile.lower.inline import Traced, traced_lowering
 from seqcompile.lower.measure import (
     Measured,
     Measurer,
@@ -40,6 +40,7 @@ from seqcompile.lower.measure import (
     measure,
     run_as_traced,
 )
+from seqcompile.lower.traced_launches import launch_trace, launches_inlined
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.options import Options
@@ -71,6 +72,9 @@ class Choice:
 
     implementation: str
     reason: str
+    launched: bool = False
+    """Its kernels' launches are traced into the graph, for the executor to launch
+    (`lower/traced_launches.py`)."""
 
 
 def choose(gm: GraphModule, fake_mode: Any, options: Options, executor: str) -> dict[Node, Choice]:
@@ -103,7 +107,7 @@ def _choice(node: Node, entry: FusedOp, options: Options, executor: str, fake_mo
     forced = asked.get(entry.name, asked.get(entry.family, "auto"))
     if forced != "auto":
         return Choice(forced, "forced by the implementations option")
-    device = _device(node)
+    device = device_of(node)
     measurer = _INJECTED[-1] if _INJECTED else None
     if measurer is None and device.type == "cuda" and tuning.autotuning(device):
         measurer = cuda_measurer()
@@ -130,13 +134,6 @@ def _by_rule(node: Node, device: torch.device, executor: str) -> Choice:
     return Choice(
         implementation, f"default table, nothing measured ({tuning.AUTOTUNE_ENV}=0): {why}"
     )
-
-
-def _device(node: Node) -> torch.device:
-    """The device of the call's tensors (meta where it has none)."""
-    values = [a.meta.get("val") for a in node.all_input_nodes]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("meta")
 
 
 def _excess(node: Node, fake_mode: Any) -> str | None:
@@ -177,7 +174,9 @@ def _measured(
     if isinstance(found, dict) and found.get("implementation") in entry.implementations:
         return Choice(found["implementation"], f"measured earlier: {found.get('measured')}")
     compile_lowering = compiled_by_inductor if executor == "inductor" else run_as_traced
-    measured = measure(node, fake_mode, compile_lowering, measurer)
+    launches = launch_trace(node, fake_mode) if launches_inlined(device, executor) else None
+    traced = launches if isinstance(launches, Traced) else None  # (else the op as called)
+    measured = measure(node, fake_mode, compile_lowering, measurer, traced)
     choice = _fastest(measured)
     add_entry(path, key, {"implementation": choice.implementation, "measured": choice.reason})
     log.info("seqfast: %s: %s (%s)", key, choice.implementation, choice.reason)

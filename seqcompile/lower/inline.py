@@ -1,10 +1,11 @@
-"""A fused call replaced by its lowering (`FusedOp.lowering`): plain ATen traced at the call's fake
-values and copied into the planned graph in its place, so the executor (Inductor) compiles the
-fused math with its neighbours instead of calling the opaque op. Which calls are replaced is the
-implementation chosen for them (`lower/choice.py`): on CPU under Inductor, every one. The
-gradient-accumulation ops (`ops/accumulate.py`) stay calls: each is one in-place ATen op on a
-parameter's `.grad`, which Inductor runs as it is, and so does the check every index a lowering
-reads from outside passes first (`ops/index_check.py`).
+"""A fused call replaced by a trace of what it runs, copied into the planned graph in its place:
+- its lowering (`FusedOp.lowering`), plain ATen the executor (Inductor) compiles with the call's
+  neighbours, where the call runs its lowering (`lower/choice.py`; on CPU under Inductor, every
+  one). The gradient-accumulation ops (`ops/accumulate.py`) stay calls: each is one in-place ATen
+  op on a parameter's `.grad`, which Inductor runs as it is, and so does the check every index a
+  lowering reads from outside passes first (`ops/index_check.py`);
+- its kernels' launches, where it runs its kernels and the executor can launch them
+  (`lower/traced_launches.py`).
 
 It runs after the memory plan: the graph's inputs and outputs, and so what the backward keeps,
 stay the plan's. Each replaced output must keep the shape, dtype and strides of the call's fake
@@ -31,7 +32,14 @@ from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.index_check import check_indices
 
-__all__ = ["Traced", "inline_lowerings", "lowering_of", "traced_lowering"]
+__all__ = [
+    "Traced",
+    "inline_lowerings",
+    "inline_traced",
+    "lowering_of",
+    "traced_call",
+    "traced_lowering",
+]
 
 
 def lowering_of(target: Any) -> Callable[..., Any] | None:
@@ -50,7 +58,7 @@ def inline_lowerings(
     for node in list(gm.graph.nodes):
         if node not in nodes or lowering_of(node.target) is None:
             continue
-        _inline(gm, node, traced_lowering(node, fake_mode))
+        inline_traced(gm, node, traced_lowering(node, fake_mode))
         lowered.append(str(node.target))
     if lowered:
         gm.recompile()
@@ -65,8 +73,9 @@ def fake_mode_of(gm: GraphModule, example_inputs: Sequence[Any]) -> FakeTensorMo
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
-    """A fused call's lowering traced at its fake values: `gm` takes the call's tensor arguments
-    (`inputs`, the call's own argument nodes) in order and returns what the call returns."""
+    """A fused call's lowering (or its launches) traced at its fake values: `gm` takes the call's
+    tensor arguments (`inputs`, the call's own argument nodes) in order and returns what the call
+    returns."""
 
     gm: GraphModule
     inputs: tuple[Node, ...]
@@ -75,7 +84,14 @@ class Traced:
 def traced_lowering(node: Node, fake_mode: Any) -> Traced:
     """The lowering of the fused call `node`, traced in plain ATen at its arguments' fake values
     (an index a gather reads from outside checked first, as eager would)."""
-    body = lowering_of(node.target)
+    traced = traced_call(node, lowering_of(node.target), fake_mode)
+    check_indices(traced.gm, str(node.target))  # (Inductor's own check would end the process)
+    return traced
+
+
+def traced_call(node: Node, body: Callable[..., Any], fake_mode: Any) -> Traced:
+    """`body`, a function of the fused call `node`'s arguments by name, traced at their fake
+    values."""
     call = Call.of(node)
     leaves, spec = tree_flatten({name: call[name] for name in call})
     where = [i for i, value in enumerate(leaves) if isinstance(value, Node)]
@@ -93,11 +109,11 @@ def traced_lowering(node: Node, fake_mode: Any) -> Traced:
             select_decomp_table(),
             tracing_mode="real",
         )(*fakes)
-    check_indices(traced, str(node.target))  # (Inductor's own check would end the process)
     return Traced(traced, tuple(leaves[i] for i in where))
 
 
-def _inline(gm: GraphModule, node: Node, lowering: Traced) -> None:
+def inline_traced(gm: GraphModule, node: Node, lowering: Traced) -> None:
+    """Copy `lowering` into `gm` in place of the call `node` it was traced from."""
     graph = gm.graph
     placeholders = [n for n in lowering.gm.graph.nodes if n.op == "placeholder"]
     copies = dict(zip(placeholders, lowering.inputs, strict=True))
@@ -139,7 +155,7 @@ def _check_like(new: Node, old: Any, name: str) -> None:
         same = all(statically_known_true(value.stride(d) == old.stride(d)) for d in dims)
     if not same:
         raise RuntimeError(
-            f"the CPU lowering of {name} gives shape {tuple(value.shape)}, dtype {value.dtype},"
+            f"the trace of {name} gives shape {tuple(value.shape)}, dtype {value.dtype},"
             f" strides {value.stride()} where the op gives {tuple(old.shape)}, {old.dtype},"
             f" {old.stride()}"
         )

@@ -68,16 +68,24 @@ class Measured:
 
 
 def measure(
-    node: Node, fake_mode: Any, compile_lowering: Callable[[Traced], Callable], measurer: Measurer
+    node: Node,
+    fake_mode: Any,
+    compile_lowering: Callable[[Traced], Callable],
+    measurer: Measurer,
+    launches: Traced | None = None,
 ) -> Measured:
-    """Check and time the op as called ("kernel") and its lowering as the executor compiles it
-    (`compile_lowering`) on one set of random inputs at `node`'s traced sizes."""
+    """Check and time the kernels and the lowering as the executor compiles it
+    (`compile_lowering`) on one set of random inputs at `node`'s traced sizes: the kernels as
+    their traced `launches` compiled the same way where given (what the executor runs), else the
+    op as called."""
     traced = traced_lowering(node, fake_mode)
     with unset_fake_temporarily():
         inputs = {arg: _random_like(arg.meta["val"]) for arg in dict.fromkeys(traced.inputs)}
         ordered = [inputs[arg] for arg in traced.inputs]
         candidates = {
-            "kernel": _called(node, inputs),
+            "kernel": _called(node, inputs)
+            if launches is None
+            else _boxed(compile_lowering(launches), ordered),
             "lowering": _boxed(compile_lowering(traced_lowering(node, fake_mode)), ordered),
         }
         reference = traced.gm(*ordered)
@@ -93,17 +101,25 @@ def measure(
     return Measured(times, allocated, rejected)
 
 
+def run_on_random_inputs(node: Node) -> None:
+    """Call the op of `node` once on random inputs at its traced sizes: on CUDA its kernels'
+    launch configurations are tuned at those sizes on the way, so a trace of its launches
+    (`lower/inline.py`), which times nothing, finds them chosen."""
+    with unset_fake_temporarily():
+        inputs = {arg: _random_like(arg.meta.get("val")) for arg in node.all_input_nodes}
+        _called(node, inputs)()
+
+
 def compiled_by_inductor(traced: Traced) -> Callable[[list[Any]], Any]:
     """`traced` compiled by Inductor alone, in a tracing context of its own (the compile it is
-    measured for keeps its own output strides and metadata)."""
+    measured for keeps its own output strides and metadata), on a copy of its graph."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    gm = traced.gm
-    (output,) = gm.graph.find_nodes(op="output")
-    single = not isinstance(output.args[0], tuple | list)
-    if single:  # Inductor's inner compile takes a graph returning a tuple
-        output.args = ((output.args[0],),)
-        gm.recompile()
+    graph = torch.fx.Graph()
+    result = graph.graph_copy(traced.gm.graph, {})  # (the trace stays as it is: it is shared)
+    single = not isinstance(result, tuple | list)
+    graph.output((result,) if single else result)  # Inductor's inner compile returns a tuple
+    gm = torch.fx.GraphModule(traced.gm, graph)
     fakes = [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")]
     fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
     with tracing(TracingContext(fake_mode)):

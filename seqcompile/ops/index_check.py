@@ -26,7 +26,7 @@ def check_range(index: Tensor, low: int, high: int, ignore: int | None, what: st
     not `ignore`; on CUDA a device-side assert instead (no host synchronization)."""
     valid = (index >= low) & (index < high)
     if ignore is not None:
-        valid |= index == ignore
+        valid = valid | (index == ignore)  # (not in place: a trace functionalizes it)
     message = f"{what}: a value is outside [{low}, {high})"
     if ignore is not None:
         message += " and is not ignore_index"

@@ -4,7 +4,9 @@ candidate and keeps the fastest, in memory and on disk (`<kernel cache>/tuning/`
 device name and Triton version). Elsewhere (the interpreter), with `SEQFAST_AUTOTUNE=0`, and for a
 launch that cannot be repeated (one that adds into its outputs), the default runs. A file's entry
 is used only where it names a candidate of the space declared now: an edited or stale file never
-launches a configuration the code does not declare."""
+launches a configuration the code does not declare. A traced launch (`tracing_launches`) times
+nothing: it takes the configuration this process or the file chose at its key, else the
+default."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import triton
 from triton.errors import TritonError
 
 from seqcompile.codegen.cache import CACHE_ENV, add_entry, cache_dir, read_entries, text_digest
+from seqcompile.codegen.launches import launches_traced
 from seqcompile.codegen.render import KernelSpec
 
 log = logging.getLogger("seqcompile")
@@ -78,7 +81,9 @@ def launch(
     if len(space) > 1 and repeatable and autotuning(device):
         remembered = (spec, tuple(key), device, os.environ.get(CACHE_ENV, ""))
         chosen = _MEMORY.get(remembered)
-        if chosen is None:
+        if chosen is None and launches_traced():
+            chosen = _recorded(spec, key, space, device) or space[0]
+        elif chosen is None:
             chosen = _MEMORY[remembered] = _tuned(spec, key, space, run, device)
     run(chosen)
     return chosen
@@ -92,14 +97,23 @@ every launch after the first looks it up here before anything is hashed, named o
 def _tuned(spec: KernelSpec, key, space: Sequence[Config], run, device: torch.device) -> Config:
     """The configuration the tuning file holds for the kernel of `spec` at `key`, or the fastest
     of `space`, timed now and added to the file."""
-    entry = "|".join([spec.name, text_digest(repr(spec.key)), *map(str, key)])
-    path = tuning_file(device)
-    found = read_entries(path, "tuning").get(entry)
-    chosen = next((c for c in space if _as_json(c) == found), None)
+    chosen = _recorded(spec, key, space, device)
     if chosen is None:
-        chosen = _fastest(entry, space, run)
-        add_entry(path, entry, _as_json(chosen))
+        chosen = _fastest(_entry(spec, key), space, run)
+        add_entry(tuning_file(device), _entry(spec, key), _as_json(chosen))
     return chosen
+
+
+def _recorded(
+    spec: KernelSpec, key, space: Sequence[Config], device: torch.device
+) -> Config | None:
+    """The candidate of `space` the tuning file holds for the kernel of `spec` at `key`."""
+    found = read_entries(tuning_file(device), "tuning").get(_entry(spec, key))
+    return next((c for c in space if _as_json(c) == found), None)
+
+
+def _entry(spec: KernelSpec, key) -> str:
+    return "|".join([spec.name, text_digest(repr(spec.key)), *map(str, key)])
 
 
 def _fastest(entry: str, space: Sequence[Config], run) -> Config:

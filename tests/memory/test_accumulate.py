@@ -65,6 +65,8 @@ class WeightShapedAllocations(TorchDispatchMode):
     """Counts op results shaped like a weight matrix that are new storage (not a parameter, not
     a `.grad` written in place)."""
 
+    supports_higher_order_operators = True  # (traced kernel launches pass through)
+
     def __init__(self, model):
         super().__init__()
         self.shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}

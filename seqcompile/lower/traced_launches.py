@@ -1,0 +1,169 @@
+"""A fused call that runs its kernels, handed to the executor as its kernels' launches: the op's own
+implementation traced at the call's fake values with each launch a
+`triton_kernel_wrapper_functional` node (`wrap_triton`) and its outputs allocated in the graph. The
+executor launches the kernels from its own code, so none of the op's Python runs per call: its
+checks, layouts, launch configurations and grids are settled once, at compile time.
+
+Launches are traced where the executor can make them (`launches_inlined`): on CUDA under Inductor,
+whose wrapper launches them (and captures them in CUDA graphs under `mode="reduce-overhead"`), and
+on CPU under Triton's interpreter with the eager executor, which runs what CUDA runs, op by op. A
+call whose launches do not trace (a host read at fake values, symbolic sizes, an op that writes
+over its argument) stays a call, and the report says why. On CUDA a call's kernels are tuned at
+its sizes before the trace, which times nothing (`run/tuning.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._higher_order_ops import triton_kernel_wrap
+from torch._library.custom_ops import _maybe_get_opdef
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+from seqcompile.codegen.launches import tracing_launches
+from seqcompile.fx_utils import device_of
+from seqcompile.lower.inline import Traced, inline_traced, traced_call
+from seqcompile.lower.measure import run_on_random_inputs
+from seqcompile.ops.fused_op import Call
+from seqcompile.run import runtime, tuning
+
+__all__ = ["inline_launches", "launch_trace", "launches_inlined"]
+
+_TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, GraphModule | str]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per fake mode (one compile's forward and backward), each call signature's traced launches or
+why they do not trace: the layers of a model make the same calls, traced once."""
+
+
+def launches_inlined(device: torch.device, executor: str) -> bool:
+    """Whether the kernel launches of calls on `device` are traced into the graph `executor` runs
+    (Inductor on CPU makes no Triton launches; the eager executor on CUDA would dispatch each
+    traced launch slower than the op's own launcher)."""
+    if device.type == "cuda":
+        return executor == "inductor"
+    return device.type == "cpu" and runtime.interpreting() and executor == "eager"
+
+
+def launch_trace(node: Node, fake_mode: Any) -> Traced | str:
+    """The launches of the fused call `node` traced at its fake values, or why they do not
+    trace."""
+    traces = _TRACES.setdefault(fake_mode, {})
+    signature = _signature(node)
+    found = traces.get(signature)
+    if found is None:
+        found = traces[signature] = _trace(node, fake_mode)
+    if isinstance(found, str):
+        return found
+    return Traced(found, tuple(a for a in _leaves(node) if isinstance(a, Node)))
+
+
+def inline_launches(gm: GraphModule, fake_mode: Any, nodes: list[Node]) -> dict[Node, str]:
+    """Replace each call of `nodes` in `gm` by its traced launches; those left calls, with why."""
+    kept = {}
+    for node in nodes:
+        traced = launch_trace(node, fake_mode)
+        if isinstance(traced, str):
+            kept[node] = traced
+        else:
+            inline_traced(gm, node, traced)
+    gm.recompile()
+    return kept
+
+
+def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
+    why = _not_traceable(node)
+    if why is not None:
+        return why
+    if tuning.autotuning(device_of(node)):
+        run_on_random_inputs(node)  # (tunes its launches at these sizes; the trace times nothing)
+    try:
+        with tracing_launches(), _writes_known(node):
+            traced = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode)
+    except DataDependentOutputException:
+        return "its launcher reads a tensor on the host (a check), which no trace can"
+    except Exception as error:  # any failure of the trace: the op is still called
+        first = f"{type(error).__name__}: {error}".splitlines()[0][:240]
+        return f"its launches do not trace ({first})"
+    _drop_argument_copies(traced.gm)
+    return traced.gm
+
+
+def _drop_argument_copies(gm: GraphModule) -> None:
+    """Where Triton's analysis cannot tell which tensors a kernel writes (as under the
+    interpreter), the traced launch writes copies of them all and copies those of the call's
+    arguments back; the op writes none of its arguments, so the copies back are dropped."""
+    graph = gm.graph
+    for inner in list(graph.nodes):
+        if inner.target is torch.ops.aten.copy_.default and inner.args[0].op == "placeholder":
+            graph.erase_node(inner)
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _not_traceable(node: Node) -> str | None:
+    if node.target._schema.is_mutable:
+        return "it writes over an argument"
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("val")
+        if isinstance(value, torch.Tensor) and not all(
+            isinstance(n, int) for n in (*value.shape, *value.stride())
+        ):
+            return "its sizes are symbolic (a launch configuration is chosen per size)"
+    return None
+
+
+def _leaves(node: Node) -> list[Any]:
+    call = Call.of(node)
+    return tree_flatten({name: call[name] for name in call})[0]
+
+
+def _signature(node: Node) -> tuple:
+    """What a trace of `node`'s launches depends on: its op, and each argument's layout (a
+    tensor's sizes, strides, offset, dtype and device) or value."""
+
+    def described(leaf: Any) -> Any:
+        value = leaf.meta.get("val") if isinstance(leaf, Node) else leaf
+        if isinstance(value, torch.Tensor):
+            layout = (value.shape, value.stride(), value.storage_offset())
+            return ("tensor", *map(tuple, layout[:2]), layout[2], value.dtype, value.device)
+        return ("node", repr(value)) if isinstance(leaf, Node) else ("literal", repr(value))
+
+    return (node.target, tuple(described(leaf) for leaf in _leaves(node)))
+
+
+@contextlib.contextmanager
+def _writes_known(node: Node) -> Iterator[None]:
+    """Under the interpreter, Triton's analysis of what a traced launch writes always fails (it
+    compiles the kernel, whose library functions the interpreter replaced), and torch then takes
+    every argument for written: copies of them all, and of the views among them. There, a launch
+    is taken to write the tensors it is given that are not (views of) the call's arguments: the
+    op writes none of its arguments, so those are what its launcher allocated for it."""
+    if not runtime.interpreting():
+        yield
+        return
+    arguments = {
+        StorageWeakRef(v.untyped_storage())
+        for v in (a.meta.get("val") for a in node.all_input_nodes)
+        if isinstance(v, torch.Tensor)
+    }
+
+    def written(kernel_idx, constant_args_idx, kwargs, tma_descriptor_metadata) -> list[str]:
+        return [
+            name
+            for name, v in kwargs.items()
+            if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in arguments
+        ]
+
+    analysis = triton_kernel_wrap.get_mutated_tensors
+    triton_kernel_wrap.get_mutated_tensors = written
+    try:
+        yield
+    finally:
+        triton_kernel_wrap.get_mutated_tensors = analysis
