@@ -276,6 +276,8 @@ def _rewrite(
     def apply(ctx: FuseContext) -> Node:
         graph = ctx.gm.graph
         out_val = tensor_val(core.out)
+        casts = _casts_of_every_read(core.out)
+        out_dtype = tensor_val(casts[0]).dtype if casts else out_val.dtype
         with graph.inserting_before(point):
             x = prologue.x
             if prologue.linear is not None:
@@ -296,7 +298,7 @@ def _rewrite(
                 p=prologue.p,
                 eps=eps,
                 rms=core.rms,
-                out_dtype=out_val.dtype,
+                out_dtype=out_dtype,
                 sum_dtype=sum_dtype,
             )
             out = insert_getitem(graph, fused, 0)
@@ -305,18 +307,36 @@ def _rewrite(
         with graph.inserting_before(core.out):
             for view in prologue.views:
                 out = ctx.call(view.target, out, *view.args[1:], **view.kwargs)
+        for cast in casts:  # each reads the op's output in the dtype it already has
+            cast.replace_all_uses_with(ctx.in_layout_of(out, tensor_val(cast)))
         core.out.replace_all_uses_with(ctx.in_layout_of(out, out_val))
         if readers:
             total = ctx.in_layout_of(total, tensor_val(prologue.total))
         for reader in readers:
             reader.replace_input_with(prologue.total, total)
         erase_unused(
-            [core.out, *core.nodes, *prologue.nodes, *prologue.views]
+            [*casts, core.out, *core.nodes, *prologue.nodes, *prologue.views]
             + [n for n in (prologue.total, prologue.linear) if n is not None]
         )
         return fused
 
     return apply
+
+
+def _casts_of_every_read(out: Node) -> list[Node]:
+    """The readers of the norm's output `out` where every one casts it to one narrower float
+    dtype the kernels write (autocast's cast before a matmul): the op writes that dtype itself,
+    rounding the float32 result once as the cast would, and takes the gradient in it. None
+    otherwise."""
+    readers = list(out.users)
+    if not readers or not all(is_call(r, aten.to.dtype) and len(r.args) == 2 for r in readers):
+        return []
+    dtypes = {r.args[1] for r in readers}
+    own = tensor_val(out).dtype
+    if len(dtypes) != 1 or own not in norm_op.DTYPES or not dtypes <= set(norm_op.DTYPES):
+        return []
+    (dtype,) = dtypes
+    return readers if torch.finfo(dtype).bits < torch.finfo(own).bits else []
 
 
 class NormPattern:

@@ -1,6 +1,8 @@
 """The residual + normalization family end to end: each spelling fuses, output and every gradient
 match eager, and each near-miss is refused with its reason."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -300,7 +302,8 @@ def test_one_dimensional_inputs():
 
 def test_llama_norm_with_narrowing_cast_keeps_the_weight_multiply_outside(tmp_path):
     """bf16 activations, float32 weight: eager rounds to bf16 before the weight multiply, which the
-    kernel (rounding once, at the end) would not do; so only the normalization is fused."""
+    kernel (rounding once, at the end) would not do; so only the normalization is fused, and it
+    writes the bf16 the multiply reads (its one rounding is the cast's)."""
     weight = rand(32)
 
     def fn(x):
@@ -316,7 +319,7 @@ def test_llama_norm_with_narrowing_cast_keeps_the_weight_multiply_outside(tmp_pa
         options={"dump_dir": str(tmp_path)},
     )
     fused = next(tmp_path.glob("*/*_fuse.py")).read_text()
-    assert "aten.mul.Tensor" in fused and "aten.to.dtype" in fused
+    assert "aten.mul.Tensor" in fused and "out_dtype = torch.bfloat16" in fused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,3 +404,38 @@ def test_reshape_that_changes_the_rows_keeps_the_sum_outside(tmp_path):
     )
     assert "aten.add.Tensor" in dumped_fuse_stage(tmp_path)
     assert dumped_add_norms(tmp_path) == [(False, 0.0)]
+
+
+@pytest.mark.parametrize("readers", ["one", "two"])
+def test_a_norm_read_only_through_autocasts_cast_writes_that_dtype(tmp_path, readers):
+    """Under bfloat16 autocast a LayerNorm's output is float32 and the matmuls after it cast it:
+    the fused op writes bfloat16 itself (the same rounding, no cast between) and takes its
+    gradient in bfloat16."""
+    norm, first, second = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def fn(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = norm(x + y)
+            return first(h) if readers == "one" else (first(h), second(h))
+
+    options = {"dump_dir": str(tmp_path)}
+    inputs = [rand(3, 16), rand(3, 16)]
+    check_fusion(fn, inputs, counts={"norm": 1}, options=options, dtype=torch.bfloat16)
+    graph = dumped_fuse_stage(tmp_path)
+    assert "out_dtype = torch.bfloat16" in graph
+    (norm_out,) = re.findall(r"(getitem\w*): \"bf16\[3, 16\][^\n]*add_norm_default\[0\]", graph)
+    assert not re.search(rf"to\.dtype\({norm_out}\b", graph)
+
+
+def test_a_norm_also_read_in_its_own_dtype_keeps_it(tmp_path):
+    norm, linear = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def fn(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = norm(x + y)
+            return linear(h), h.sum()
+
+    options = {"dump_dir": str(tmp_path)}
+    inputs = [rand(3, 16), rand(3, 16)]
+    check_fusion(fn, inputs, counts={"norm": 1}, options=options, dtype=torch.bfloat16)
+    assert "out_dtype = torch.float32" in dumped_fuse_stage(tmp_path)
