@@ -10,6 +10,7 @@
 #   5. train_step_graphs   the three models again under mode="reduce-overhead" (CUDA graphs)
 #   6. attention, loss, norm, pointwise, attention_mods   kernel benchmarks (--short sizes)
 #   7. memory_budget
+#   8. compile_time  the demo GPT's first step with Inductor and seqfast, cold and warm caches
 # Each step runs under `timeout` with its own budget, so one that fails or hangs costs only that.
 # The budgets form a schedule: a step may also use what the steps before it left unused (at most
 # twice its own budget), never what is planned for the steps after it, and nothing runs past the
@@ -20,7 +21,7 @@
 #
 #   bash benchmarks/gpu_session.sh [STEP ...]     (default: every step, in the order above)
 #   steps: step_profile train_step pytest_gpu ceilings train_step_graphs attention loss norm
-#          pointwise attention_mods memory_budget
+#          pointwise attention_mods memory_budget compile_time
 #   BENCH_SIZE=--quick SESSION_SECONDS=900 bash benchmarks/gpu_session.sh   (a smoke run on a CPU)
 #
 # Writes into ${OUT:-benchmarks/out}: session.log (everything), pytest_gpu.txt, results.md (the
@@ -45,7 +46,7 @@ schedule=-1 # where the budgets planned so far end; set when the first step star
 work="$(mktemp -d)"
 statuses=()
 steps=(step_profile train_step pytest_gpu ceilings train_step_graphs attention loss norm pointwise
-    attention_mods memory_budget)
+    attention_mods memory_budget compile_time)
 for name in "$@"; do
     [[ " ${steps[*]} " == *" $name "* ]] || {
         echo "unknown step '$name'; the steps: ${steps[*]}" >&2
@@ -218,6 +219,8 @@ bench norm 30 norm_kernels "$size"
 bench pointwise 25 pointwise_kernels "$size"
 bench attention_mods 45 attention_mods "$size"
 bench memory_budget 60 memory_budget "$size" --no-inductor
+# the demo GPT's first step, cold and warm caches, four processes (--quick is its only size)
+bench compile_time 90 compile_time $([[ $size == --quick ]] && echo --quick)
 
 # ---------------------------------------------------------------------------------------------
 # the summary, printed last (the caller may see only the end of the output: each part is capped)

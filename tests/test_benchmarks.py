@@ -57,6 +57,17 @@ def test_the_host_cost_benchmark_times_each_fused_call_a_step_makes(tmp_path):
     rows = re.findall(r"^\| seqfast\.(\w+)\.default \| (\d+) \|", text, re.MULTILINE)
     assert sum(int(n) for _, n in rows) == calls and launches > 0
     assert {"attention": "2", "attention_backward": "2"}.items() <= dict(rows).items()
+    traced = re.search(
+        r"the executor launches them\): (\d+) fused calls per step .*, (\d+) launches", text
+    )
+    # on CPU only the loss's check of its targets, a host read, keeps its call an op call
+    assert traced is not None and int(traced[1]) <= 1 and int(traced[2]) == launches, text
+
+
+def test_compile_time_is_measured_cold_and_warm_for_both_executors(tmp_path):
+    text = quick_run("benchmarks.compile_time", tmp_path, options=())
+    for executor in ("inductor", "seqfast"):
+        assert re.search(rf"^\| {executor} \| [\d.]+ \| [\d.]+ \|", text, re.MULTILINE), text
 
 
 def quick_run(module, tmp_path, options=("--no-inductor",)):
