@@ -23,24 +23,25 @@ WORDS = 4
 
 
 def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # const * x for a 32-bit constant and 32-bit values held in int64, split into 32-bit halves
-    # without overflowing int64: multiply by the constant's 16-bit halves separately.
-    low_part = (const & 0xFFFF) * x
-    t = (const >> 16) * x + (low_part >> 16)
-    return t >> 16, ((t & 0xFFFF) << 16) | (low_part & 0xFFFF)
+    # const * x for a 32-bit constant and 32-bit values held in int64, split into 32-bit halves:
+    # the 64-bit product wraps around in int64, which keeps its bits (its high word is read
+    # through an arithmetic shift and a mask).
+    product = const * x
+    return (product >> 32) & _M32, product & _M32
 
 
 def philox_words(seed: torch.Tensor, counter: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 of the four 32-bit counter words (int64 tensors) under the 64-bit key
     `seed` (its low word first): the four output words, as int64 tensors."""
     seed = seed.to(torch.int64)
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    rounds = torch.arange(10, device=seed.device, dtype=torch.int64)
+    keys0 = ((seed & _M32) + rounds * _KEY_A) & _M32  # each round's key, made at once
+    keys1 = (((seed >> 32) & _M32) + rounds * _KEY_B) & _M32
     c0, c1, c2, c3 = counter
-    for _ in range(10):
+    for r in range(10):
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+        c0, c1, c2, c3 = hi_b ^ c1 ^ keys0[r], lo_b, hi_a ^ c3 ^ keys1[r], lo_a
     return c0, c1, c2, c3
 
 
