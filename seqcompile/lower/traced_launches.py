@@ -14,6 +14,7 @@ its sizes before the trace, which times nothing (`run/tuning.py`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,8 @@ from seqcompile.ops.fused_op import Call
 from seqcompile.run import runtime, tuning
 
 __all__ = ["inline_launches", "launch_trace", "launches_inlined"]
+
+log = logging.getLogger("seqcompile")
 
 _TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, GraphModule | str]] = (
     weakref.WeakKeyDictionary()
@@ -82,7 +85,7 @@ def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
     if why is not None:
         return why
     if tuning.autotuning(device_of(node)):
-        run_on_random_inputs(node)  # (tunes its launches at these sizes; the trace times nothing)
+        _tune(node)
     try:
         with tracing_launches(), _writes_known(node):
             traced = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode)
@@ -93,6 +96,21 @@ def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
         return f"its launches do not trace ({first})"
     _drop_argument_copies(traced.gm)
     return traced.gm
+
+
+def _tune(node: Node) -> None:
+    """Run the call once on random inputs at its sizes, which tunes its launches there (the
+    trace times nothing); where that fails (the device out of memory, say), its launches take
+    their default configurations."""
+    try:
+        run_on_random_inputs(node)
+    except Exception as error:  # tuning is an optimization: the trace goes on without it
+        log.warning(
+            "seqfast: %s was not tuned at its sizes (%s); its launches take their"
+            " default configurations",
+            node.name,
+            str(error).splitlines()[0][:200],
+        )
 
 
 def _drop_argument_copies(gm: GraphModule) -> None:

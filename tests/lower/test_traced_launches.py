@@ -109,6 +109,24 @@ def test_a_call_whose_launches_do_not_trace_is_called_with_the_reason(interpret,
     torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.kernels("add_norm_fwd")
+def test_a_call_that_cannot_be_tuned_at_compile_time_still_traces(interpret, monkeypatch, caplog):
+    def out_of_memory(node):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(traced_launches.tuning, "autotuning", lambda device: True)
+    monkeypatch.setattr(traced_launches, "run_on_random_inputs", out_of_memory)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 16)
+    with report.collecting() as seen, torch.no_grad():
+        out = torch.compile(model, backend="seqfast", options={"rest": "eager"})(x)
+    torch._dynamo.reset()
+    (use,) = [use for use in seen.implementations if use.op == "add_norm"]
+    assert use.reason.endswith("launched by the executor"), use.reason
+    assert "was not tuned at its sizes (CUDA out of memory" in caplog.text
+    torch.testing.assert_close(out, model(x))
+
+
 def test_a_traced_launch_times_nothing(monkeypatch, tmp_path):
     """It runs the configuration the tuning file holds at its key, else the default."""
     device = torch.device("cuda")  # (the device's name is only read to name the file)
