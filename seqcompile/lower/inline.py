@@ -14,8 +14,9 @@ value, or the compile stops with the reason."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch._guards import detect_fake_mode
@@ -32,11 +33,16 @@ from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.index_check import check_indices
 
+T = TypeVar("T")
+
 __all__ = [
     "Traced",
+    "call_inputs",
+    "call_signature",
     "inline_lowerings",
     "inline_traced",
     "lowering_of",
+    "memoized",
     "traced_call",
     "traced_lowering",
 ]
@@ -84,9 +90,53 @@ class Traced:
 def traced_lowering(node: Node, fake_mode: Any) -> Traced:
     """The lowering of the fused call `node`, traced in plain ATen at its arguments' fake values
     (an index a gather reads from outside checked first, as eager would)."""
-    traced = traced_call(node, lowering_of(node.target), fake_mode)
-    check_indices(traced.gm, str(node.target))  # (Inductor's own check would end the process)
-    return traced
+
+    def trace() -> GraphModule:
+        gm = traced_call(node, lowering_of(node.target), fake_mode).gm
+        check_indices(gm, str(node.target))  # (Inductor's own check would end the process)
+        return gm
+
+    return Traced(memoized("lowering", node, fake_mode, trace), call_inputs(node))
+
+
+_TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+"""Per fake mode (one compile's forward and backward) and call signature, each trace made: the
+layers of a model make the same calls, traced once. A trace is shared: it is copied into graphs,
+never changed."""
+
+
+def memoized(kind: str, node: Node, fake_mode: Any, trace: Callable[[], T]) -> T:
+    """`trace()`, made once per `kind` of trace and signature of the call `node` (its op, and each
+    argument's layout or value) under `fake_mode`."""
+    traces = _TRACES.setdefault(fake_mode, {})
+    key = (kind, call_signature(node))
+    if key not in traces:
+        traces[key] = trace()
+    return traces[key]
+
+
+def call_signature(node: Node) -> tuple:
+    """What a trace of the call `node` depends on: its op, and each argument's layout (a tensor's
+    sizes, strides, offset, dtype and device) or value."""
+
+    def described(leaf: Any) -> Any:
+        value = leaf.meta.get("val") if isinstance(leaf, Node) else leaf
+        if isinstance(value, torch.Tensor):
+            layout = (tuple(value.shape), tuple(value.stride()), value.storage_offset())
+            return ("tensor", *layout, value.dtype, value.device)
+        return ("node", repr(value)) if isinstance(leaf, Node) else ("literal", repr(value))
+
+    return (node.target, tuple(described(leaf) for leaf in _leaves(node)))
+
+
+def call_inputs(node: Node) -> tuple[Node, ...]:
+    """The call's tensor arguments, in the order a trace of it takes them."""
+    return tuple(leaf for leaf in _leaves(node) if isinstance(leaf, Node))
+
+
+def _leaves(node: Node) -> list[Any]:
+    call = Call.of(node)
+    return tree_flatten({name: call[name] for name in call})[0]
 
 
 def traced_call(node: Node, body: Callable[..., Any], fake_mode: Any) -> Traced:

@@ -2,7 +2,8 @@
 implementation traced at the call's fake values with each launch a
 `triton_kernel_wrapper_functional` node (`wrap_triton`) and its outputs allocated in the graph. The
 executor launches the kernels from its own code, so none of the op's Python runs per call: its
-checks, layouts, launch configurations and grids are settled once, at compile time.
+checks, layouts, launch configurations and grids are settled once, at compile time (once per call
+signature: `inline.memoized`).
 
 Launches are traced where the executor can make them (`launches_inlined`): on CUDA under Inductor,
 whose wrapper launches them (and captures them in CUDA graphs under `mode="reduce-overhead"`), and
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,24 +25,16 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
 
 from seqcompile.codegen.launches import tracing_launches
 from seqcompile.fx_utils import device_of
-from seqcompile.lower.inline import Traced, inline_traced, traced_call
+from seqcompile.lower.inline import Traced, call_inputs, inline_traced, memoized, traced_call
 from seqcompile.lower.measure import run_on_random_inputs
-from seqcompile.ops.fused_op import Call
 from seqcompile.run import runtime, tuning
 
 __all__ = ["inline_launches", "launch_trace", "launches_inlined"]
 
 log = logging.getLogger("seqcompile")
-
-_TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, GraphModule | str]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per fake mode (one compile's forward and backward), each call signature's traced launches or
-why they do not trace: the layers of a model make the same calls, traced once."""
 
 
 def launches_inlined(device: torch.device, executor: str) -> bool:
@@ -57,14 +49,8 @@ def launches_inlined(device: torch.device, executor: str) -> bool:
 def launch_trace(node: Node, fake_mode: Any) -> Traced | str:
     """The launches of the fused call `node` traced at its fake values, or why they do not
     trace."""
-    traces = _TRACES.setdefault(fake_mode, {})
-    signature = _signature(node)
-    found = traces.get(signature)
-    if found is None:
-        found = traces[signature] = _trace(node, fake_mode)
-    if isinstance(found, str):
-        return found
-    return Traced(found, tuple(a for a in _leaves(node) if isinstance(a, Node)))
+    traced = memoized("launches", node, fake_mode, lambda: _trace(node, fake_mode))
+    return traced if isinstance(traced, str) else Traced(traced, call_inputs(node))
 
 
 def inline_launches(gm: GraphModule, fake_mode: Any, nodes: list[Node]) -> dict[Node, str]:
@@ -88,14 +74,14 @@ def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
         _tune(node)
     try:
         with tracing_launches(), _writes_known(node):
-            traced = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode)
+            gm = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode).gm
     except DataDependentOutputException:
         return "its launcher reads a tensor on the host (a check), which no trace can"
     except Exception as error:  # any failure of the trace: the op is still called
         first = f"{type(error).__name__}: {error}".splitlines()[0][:240]
         return f"its launches do not trace ({first})"
-    _drop_argument_copies(traced.gm)
-    return traced.gm
+    _drop_argument_copies(gm)
+    return gm
 
 
 def _tune(node: Node) -> None:
@@ -135,25 +121,6 @@ def _not_traceable(node: Node) -> str | None:
         ):
             return "its sizes are symbolic (a launch configuration is chosen per size)"
     return None
-
-
-def _leaves(node: Node) -> list[Any]:
-    call = Call.of(node)
-    return tree_flatten({name: call[name] for name in call})[0]
-
-
-def _signature(node: Node) -> tuple:
-    """What a trace of `node`'s launches depends on: its op, and each argument's layout (a
-    tensor's sizes, strides, offset, dtype and device) or value."""
-
-    def described(leaf: Any) -> Any:
-        value = leaf.meta.get("val") if isinstance(leaf, Node) else leaf
-        if isinstance(value, torch.Tensor):
-            layout = (value.shape, value.stride(), value.storage_offset())
-            return ("tensor", *map(tuple, layout[:2]), layout[2], value.dtype, value.device)
-        return ("node", repr(value)) if isinstance(leaf, Node) else ("literal", repr(value))
-
-    return (node.target, tuple(described(leaf) for leaf in _leaves(node)))
 
 
 @contextlib.contextmanager
