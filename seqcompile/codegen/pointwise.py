@@ -69,6 +69,23 @@ def _offset(name: str, layout: Layout) -> str:
     return " + ".join(terms) or "0"
 
 
+INDEX_LIMIT = 2**31
+"""Indices, coordinates and offsets below this fit a kernel's 32-bit integers."""
+
+
+def index_fits_32_bits(
+    numel: int, block: int, sizes: Sequence[int], walks: Sequence[Sequence[int]]
+) -> bool:
+    """Whether a region of `numel` elements walked in blocks of `block`, its operands at strides
+    `walks` over the collapsed `sizes`, indexes in 32 bits: every element index of the last
+    block, and every operand's farthest offset."""
+    farthest = max(
+        (sum((n - 1) * abs(s) for n, s in zip(sizes, walk, strict=True)) for walk in walks),
+        default=0,
+    )
+    return numel + block <= INDEX_LIMIT and farthest < INDEX_LIMIT
+
+
 def _print_nodes(gm: GraphModule, names: dict[Node, str], printer: Printer) -> list[str]:
     """One line per call in `gm`, assigning its value to `v_<name>` (recorded in `names`, which
     holds the placeholders' variables)."""
@@ -129,12 +146,15 @@ def render(
     mode: str,
     region: str,
     label: str | None = None,
+    wide: bool = True,
 ) -> tuple[KernelSpec, tuple[str, ...]]:
     """The `mode` ("forward" or "backward") kernel of `region` (named after `label`, a user
     pattern, when given), computing `gm`: placeholder i
     is read as `operands[i]` (None: unused), and the graph's i-th output is stored to the tensor
-    parameter `outputs[i]`. Returns the spec and the kernel's parameter names in order (tensors
-    by name; `<name>_stride<d>`, `size<d>`, `inner<d>`, `N`, `SEED`, `stream`)."""
+    parameter `outputs[i]`. Element indices, coordinates and offsets are 64-bit where `wide`,
+    else 32-bit (the launcher's sizes keep every one below 2**31: `index_fits_32_bits`). Returns
+    the spec and the kernel's parameter names in order (tensors by name; `<name>_stride<d>`,
+    `size<d>`, `inner<d>`, `N`, `SEED`, `stream`)."""
     printer = Printer(_float_type(gm))
     names: dict[Node, str] = {}
     body: list[str] = []
@@ -193,6 +213,8 @@ def render(
     dims = [f"size{d}" for d in sorted(used_dims) if d > 0] + [
         f"inner{d}" for d in sorted(used_dims) if d < rank - 1
     ]
+    program = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    index = [f"idx = {program} * BLOCK + tl.arange(0, BLOCK)", "live = idx < N"]
     seed = ["seed = tl.load(SEED)"] if masks else []
     if masks:
         params.append(("SEED", "() int64 seed of the graph"))
@@ -204,7 +226,7 @@ def render(
         region=region,
         philox=masks,
         params=tuple(params),
-        body=tuple(seed + coords + body),
+        body=tuple(index + seed + coords + body),
         **({"label": label} if label is not None else {}),
     )
     return spec, tuple(p for p, _ in params)

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from seqcompile.codegen import KernelSpec, kernel_function
-from seqcompile.codegen.pointwise import Layout, Load, Mask, render
+from seqcompile.codegen.pointwise import Layout, Load, Mask, index_fits_32_bits, render
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops import samples_pointwise, sharding_rules
@@ -91,13 +91,15 @@ def _layout(walk: list[int], sizes: list[int]) -> Layout:
 
 def _layouts(
     shape: Sequence[int], operands: Sequence[Tensor], outputs: int
-) -> tuple[list[int], list[list[int]], tuple[Layout, ...]]:
+) -> tuple[list[int], list[list[int]], tuple[Layout, ...], bool]:
     """The collapsed region shape, every operand's strides over it (the `outputs` contiguous
-    outputs last), and the layout of each of `operands`."""
+    outputs last), the layout of each of `operands`, and whether the kernel indexes in 64 bits
+    (its elements or an operand's offsets reach 2**31)."""
     contiguous = _contiguous_strides(shape)
     strides = [broadcast_strides(t, shape) for t in operands] + [contiguous] * outputs
     sizes, walks = collapse(shape, strides)
-    return sizes, walks, tuple(_layout(w, sizes) for w in walks[: len(operands)])
+    wide = not index_fits_32_bits(math.prod(shape), BLOCK, sizes, walks)
+    return sizes, walks, tuple(_layout(w, sizes) for w in walks[: len(operands)]), wide
 
 
 def _at_hints(t: Tensor) -> Tensor:
@@ -119,8 +121,8 @@ def compile_time_specs(
     concrete = [_at_hints(t) for t in inputs]
     shape = list(_shape(concrete))
     dtypes = regions.output_dtypes(region, [t.dtype for t in inputs])
-    sizes, _, layouts = _layouts(shape, concrete, len(dtypes))
-    specs = [forward_spec(region.key, layouts, len(sizes), len(dtypes))[0]]
+    sizes, _, layouts, wide = _layouts(shape, concrete, len(dtypes))
+    specs = [forward_spec(region.key, layouts, len(sizes), len(dtypes), wide)[0]]
     if needs_grad is not None and any(needs_grad):
         # autograd passes no gradient for an output that is not floating point (a mask)
         grad_terms = tuple(int(d.is_floating_point) for d in dtypes)
@@ -142,8 +144,8 @@ def backward_specs(
         return []
     operands = [_at_hints(t) for t in (*saved, *grads)]
     shape = list(_shape(operands))
-    sizes, _, layouts = _layouts(shape, operands, len(plan.computed))
-    return [backward_spec(key, plan_key, layouts, len(sizes))[0]]
+    sizes, _, layouts, wide = _layouts(shape, operands, len(plan.computed))
+    return [backward_spec(key, plan_key, layouts, len(sizes), wide)[0]]
 
 
 def forward_kernels_of(call: Call) -> list[KernelSpec]:
@@ -163,8 +165,8 @@ def _launch(
     """Collapse the region, render (or reuse) the kernel for the operands' layouts and launch it.
     `outputs` are contiguous over the region."""
     names = list(tensors) + list(outputs)
-    sizes, walks, layouts = _layouts(list(shape), list(tensors.values()), len(outputs))
-    spec, params = spec_of(layouts, len(sizes))
+    sizes, walks, layouts, wide = _layouts(list(shape), list(tensors.values()), len(outputs))
+    spec, params = spec_of(layouts, len(sizes), wide)
     values = {**tensors, **outputs, **extra, "N": math.prod(shape)}
     for name, walk in zip(names, walks, strict=True):
         values.update({f"{name}_stride{d}": s for d, s in enumerate(walk)})
@@ -177,19 +179,19 @@ def _launch(
 
 @functools.lru_cache(maxsize=1024)
 def forward_spec(
-    key: str, layouts: tuple[Layout, ...], rank: int, outputs: int
+    key: str, layouts: tuple[Layout, ...], rank: int, outputs: int, wide: bool
 ) -> tuple[KernelSpec, tuple[str, ...]]:
     region = regions.lookup(key)
     operands = [Load(f"IN{i}", layout) for i, layout in enumerate(layouts)] + [
         Mask(k, p) for k, p in enumerate(region.dropout_p)
     ]
     names = [f"OUT{j}" for j in range(outputs)]
-    return render(region.forward, operands, names, rank, "forward", key, region.name)
+    return render(region.forward, operands, names, rank, "forward", key, region.name, wide)
 
 
 @functools.lru_cache(maxsize=1024)
 def backward_spec(
-    key: str, plan_key: tuple, layouts: tuple[Layout, ...], rank: int
+    key: str, plan_key: tuple, layouts: tuple[Layout, ...], rank: int, wide: bool
 ) -> tuple[KernelSpec, tuple[str, ...]]:
     region = regions.lookup(key)
     plan = regions.backward_plan(key, *plan_key)
@@ -208,7 +210,7 @@ def backward_spec(
     operands += [Mask(k, p) for k, p in enumerate(region.dropout_p)]
     operands += [Load(f"GRAD{j}", layout_of[f"GRAD{j}"]) for j in range(terms)]
     names = [f"DIN{j}" for j in range(len(plan.computed))]
-    return render(plan.graph, operands, names, rank, "backward", key, region.name)
+    return render(plan.graph, operands, names, rank, "backward", key, region.name, wide)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +237,7 @@ def pointwise(inputs: list[Tensor], seed: Tensor | None, stream: int, region: st
         if math.prod(shape) > 0:
             extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
             _launch(
-                lambda layouts, rank: forward_spec(region, layouts, rank, len(dtypes)),
+                lambda layouts, rank, wide: forward_spec(region, layouts, rank, len(dtypes), wide),
                 {f"IN{i}": t for i, t in enumerate(inputs)},
                 shape,
                 outputs,
@@ -302,7 +304,7 @@ def pointwise_backward(
         tensors.update({f"GRAD{j}": g for j, g in enumerate(grads)})
         extra = {"SEED": seed, "stream": stream} if program.dropout_p else {}
         _launch(
-            lambda layouts, rank: backward_spec(region, plan_key, layouts, rank),
+            lambda layouts, rank, wide: backward_spec(region, plan_key, layouts, rank, wide),
             tensors,
             shape,
             outputs,

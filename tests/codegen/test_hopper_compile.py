@@ -278,11 +278,11 @@ POINTWISE = textwrap.dedent(
 
     x, b = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     region = region_of_function(bias_gelu_dropout, [x, b])
-    spec, _ = pointwise.forward_spec(region.key, ("flat", (False, True)), 2, 1)
+    spec, _ = pointwise.forward_spec(region.key, ("flat", (False, True)), 2, 1, False)
     compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*fp32", "OUT0": "*bf16"})
     plan_key = ((True, True), (2,), (True,))  # a gradient in two terms, one broadcast; sum written
     layouts = ("flat", (False, True), "flat", "scalar")
-    spec, _ = pointwise.backward_spec(region.key, plan_key, layouts, 2)
+    spec, _ = pointwise.backward_spec(region.key, plan_key, layouts, 2, False)
     compile_pointwise(
         spec, {"IN0": "*bf16", "IN1": "*fp32", "GRAD0": "*bf16", "GRAD1": "*bf16", "DIN0": "*bf16",
                "DIN1": "*bf16"}
@@ -290,10 +290,11 @@ POINTWISE = textwrap.dedent(
 
     mask = torch.rand(4, 8) > 0.5
     region = region_of_function(gated, [x, x.detach().requires_grad_(), mask])
-    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat", "scalar"), 1, 1)
+    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat", "scalar"), 1, 1, False)
     compile_pointwise(spec, {"IN0": "*fp16", "IN1": "*fp16", "IN2": "*i1", "OUT0": "*fp16"})
     plan_key = ((True, True, False), (1,), (False,))
-    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat", "flat"), 1)
+    flat = ("flat", "flat", "flat", "flat")
+    spec, _ = pointwise.backward_spec(region.key, plan_key, flat, 1, False)
     compile_pointwise(
         spec, {"IN0": "*fp32", "IN1": "*fp32", "IN2": "*i1", "GRAD0": "*fp32", "DIN0": "*fp32",
                "DIN1": "*fp32"}
@@ -305,10 +306,10 @@ POINTWISE = textwrap.dedent(
         return tails * torch.polygamma(2, a) + torch.nextafter(a, b)
 
     region = region_of_function(special, [x, x.detach().requires_grad_()])
-    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat"), 1, 1)
+    spec, _ = pointwise.forward_spec(region.key, ("flat", "flat"), 1, 1, True)  # 64-bit indices
     compile_pointwise(spec, {"IN0": "*bf16", "IN1": "*bf16", "OUT0": "*bf16"})
     plan_key = ((True, True), (1,), (False,))
-    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat"), 1)
+    spec, _ = pointwise.backward_spec(region.key, plan_key, ("flat", "flat", "flat"), 1, True)
     compile_pointwise(
         spec, {"IN0": "*fp32", "IN1": "*fp32", "GRAD0": "*fp32", "DIN0": "*fp32", "DIN1": "*fp32"}
     )

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TOLERANCES
 
-import seqcompile.ops.pointwise  # noqa: F401  (registers the op)
 from seqcompile.ops import pointwise_region as regions
+from seqcompile.ops.pointwise import compile_time_specs  # (also registers the op)
 from seqcompile.ops.random import keep_mask
 from seqcompile.patterns.pointwise import region_of_function
 
@@ -364,3 +364,30 @@ def test_an_output_no_differentiated_input_reaches_takes_its_gradient_as_nothing
     assert outs[1].requires_grad  # as the custom op gives it
     (grad,) = torch.autograd.grad(outs, x, [torch.ones_like(o) for o in outs])
     torch.testing.assert_close(grad, c * 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "bias", "wide"),
+    [
+        ((1024, 768), (768,), False),
+        ((2**16 - 1, 2**15), (2**15,), False),  # the last block's indices stay below 2**31
+        ((2**16, 2**15), (2**15,), True),
+        ((8, 4), (2**31, 4), True),  # an operand whose farthest offset passes 2**31
+    ],
+    ids=["small", "under 2**31", "2**31", "far operand"],
+)
+def test_indices_are_32_bit_unless_the_sizes_need_64(shape, bias, wide):
+    """The kernel's element indices, coordinates and offsets are 32-bit integers (cheaper division
+    and modulo on a GPU) unless an element index of its last block or an operand's farthest
+    offset reaches 2**31; rendered at sizes no memory holds (meta tensors)."""
+    x, b = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    region = region_of_function(lambda x, b: x * b, [x, b])
+    inputs = [torch.empty(shape, device="meta")]
+    if len(bias) == 1:
+        inputs.append(torch.empty(bias, device="meta"))
+    else:  # a strided operand: every 2**31-th row of a tall one
+        inputs.append(torch.empty_strided(shape, (2**31, 1), device="meta"))
+    (forward,) = compile_time_specs(region, inputs, None)
+    index_line = dict(forward.key)["body"][0]
+    assert index_line.startswith("idx = tl.program_id(0)")
+    assert (".to(tl.int64)" in index_line) is wide
