@@ -76,7 +76,7 @@ def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
         with tracing_launches(), _writes_known(node):
             gm = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode).gm
     except DataDependentOutputException:
-        return "its launcher reads a tensor on the host (a check), which no trace can"
+        return "its launcher reads a tensor on the host, which a trace at fake values cannot"
     except Exception as error:  # any failure of the trace: the op is still called
         first = f"{type(error).__name__}: {error}".splitlines()[0][:240]
         return f"its launches do not trace ({first})"
