@@ -11,6 +11,7 @@ from conftest import TOLERANCES
 from torch import nn
 
 from seqcompile import report
+from seqcompile.codegen import counting_launches
 from seqcompile.lower import choice, measure
 from seqcompile.lower.measure import Measurer
 from seqcompile.ops import registry
@@ -208,3 +209,21 @@ def test_disagreement_reads_shapes_integers_infinities_and_tolerances():
     assert "is torch.float64" in measure.disagreement(f.double(), f)
     assert measure.disagreement(torch.tensor([1, 2]), torch.tensor([1, 3])) == "output 0 differs"
     assert "returns 2 values where the reference returns 1" in measure.disagreement((f, f), f)
+
+
+@pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "pointwise:forward", "pointwise:backward")
+def test_where_the_executor_launches_the_kernels_their_traced_launches_are_measured(
+    interpret, monkeypatch
+):
+    """The kernel candidate is what would run: its traced launches as the executor runs them, not
+    the op called with its Python."""
+    called = []
+    monkeypatch.setattr(measure, "_called", lambda node, inputs: called.append(node) or None)
+    timer = Timer(kernel=1.0, lowering=2.0)
+    with counting_launches() as launches:
+        seen = _step(Measurer(timer))
+    assert not called and timer.asked.count("kernel") == timer.asked.count("lowering") > 0
+    for use in seen.implementations:  # (a call like one measured before reads its result)
+        assert use.implementation == "kernel"
+        assert use.reason.endswith("kernel 1 ms, lowering 2 ms; launched by the executor")
+    assert launches.of("add_norm_fwd") >= 2, "measured (checked, then timed) and run"
