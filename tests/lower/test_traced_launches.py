@@ -67,6 +67,8 @@ def _opaque(targets) -> set[str]:
     }
 
 
+@pytest.mark.slow  # two GPT steps compiled under the interpreter (the default run's kernel tier
+# takes the traced route wherever it compiles with the eager executor)
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "add_norm_bwd", "pointwise:forward")
 def test_traced_launches_run_what_the_op_calls_run(interpret, monkeypatch):
     loss, grads, launched, given, called = _step(monkeypatch, inlined=True)
