@@ -122,8 +122,8 @@ def call_signature(node: Node) -> tuple:
     def described(leaf: Any) -> Any:
         value = leaf.meta.get("val") if isinstance(leaf, Node) else leaf
         if isinstance(value, torch.Tensor):
-            layout = (tuple(value.shape), tuple(value.stride()), value.storage_offset())
-            return ("tensor", *layout, value.dtype, value.device)
+            layout = (value.shape, value.stride(), value.storage_offset())
+            return ("tensor", *map(repr, layout), value.dtype, value.device)  # (sizes symbolic too)
         return ("node", repr(value)) if isinstance(leaf, Node) else ("literal", repr(value))
 
     return (node.target, tuple(described(leaf) for leaf in _leaves(node)))
