@@ -258,8 +258,9 @@ class Options:
     """Per fused operator (`attention`) or family (`loss`): "auto" (the default: chosen per call,
     by measurement on CUDA) or the implementation every call of it runs: "kernel" (the fused op's
     generated kernels), "lowering" (its ATen lowering compiled by the executor with its
-    neighbours) or "vendor" (a vendor library's kernel, where the operator offers one). An
-    operator's own name wins over its family's."""
+    neighbours) or "vendor" (a vendor library's kernel, where the operator offers one: attention's
+    SDPA flash kernels; a call they cannot express runs its kernel). An operator's own name wins
+    over its family's."""
     verify: bool = False
     """Run each compiled graph beside the captured one (eager) on the inputs it was compiled for,
     forward and backward, and compare; a fused site that makes them differ is found by bisection

@@ -80,7 +80,8 @@ class ImplementationUse:
     node: str
     site: str
     implementation: str
-    """"kernel" (the op as called) or "lowering" (its ATen compiled by the executor)."""
+    """"kernel" (the op as called), "lowering" (its ATen compiled by the executor) or "vendor" (a
+    vendor's kernels called from ATen the executor compiles)."""
     reason: str
 
 

@@ -15,7 +15,8 @@ import seqcompile.lower
 import seqcompile.ops.attention as attention_op
 import seqcompile.ops.norm as norm_op
 from seqcompile.demo import GPT, GPTConfig, train
-from seqcompile.ops import attention_reference, norm_reference
+from seqcompile.ops import attention_reference, attention_vendor, norm_reference
+from seqcompile.ops.fused_op import Call
 from seqcompile.report import collecting
 from seqcompile.run import tuning
 
@@ -250,6 +251,47 @@ def check_attention_kernels(dtype, head_dim, features):
         if ref.numel():  # relative to the gradient's size: sums over up to 517 keys
             scale = ref.abs().max().clamp_min(1.0)
             torch.testing.assert_close(kernel / scale, ref / scale, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_attention_vendor_matches_the_reference_and_mixes_with_the_kernels(
+    dtype, head_dim, causal
+):
+    """SDPA's flash kernels through the vendor bodies, grouped heads: the output and each row's
+    log-sum-exp as the reference gives them, and the gradients from either forward's
+    statistics."""
+    g = torch.Generator(device=cuda).manual_seed(0)
+    b, h, kv_heads, length = 2, 4, 2, 333
+    q = torch.randn(b, h, length, head_dim, device=cuda, generator=g).to(dtype)
+    k, v = (
+        torch.randn(b, kv_heads, length, head_dim, device=cuda, generator=g).to(dtype) for _ in "kv"
+    )
+    forward = attention_op.ENTRY.forward
+    call = Call(forward, (), dict(q=q, k=k, v=v, bias=None, mask=None, seed=None, stream=0,
+                                  p=0.0, scale=head_dim**-0.5, causal=causal,
+                                  masked_value=-math.inf))  # fmt: skip
+    args = {name: call[name] for name in call}
+    assert attention_op.ENTRY.vendor_refusal(call) is None
+    vendor = attention_op.vendor_forward(**args)
+    reference = attention_op.lower_forward(**args)
+    for got, want in zip(attention_vendor.compared(vendor), attention_vendor.compared(reference),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, **TOLERANCES[got.dtype])
+    grad_out = torch.randn_like(reference[0])
+    backward = attention_op.ENTRY.backward[0]
+    for stats in (vendor, reference):
+        saved = dict(grad_out=grad_out, out=stats[0], row_max=stats[1], log_sum=stats[2],
+                     bias_grad=False)  # fmt: skip
+        bcall = Call(backward, (), {**args, **saved})
+        bargs = {name: bcall[name] for name in bcall}
+        for got, want in zip(attention_op.vendor_backward(**bargs),
+                             attention_op.lower_backward(**bargs), strict=True):  # fmt: skip
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if want.numel():
+                scale = want.abs().max().clamp_min(1.0)
+                torch.testing.assert_close(got / scale, want / scale, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -1,9 +1,10 @@
 """Stage 6's fused calls: what each runs (`choice.py`, measured by `measure.py`), chosen for all
 of a plan's graphs once stage 5 has made them (so the report says it at compile time, though the
 backward is lowered only at the first backward), and inlined into its graph (`inline.py`): a call
-that runs its lowering as plain ATen for the executor to compile with its neighbours, a call that
-runs its kernels as their launches, for the executor to make from its own code (on CUDA under
-Inductor, and under Triton's interpreter with the eager executor, which runs what CUDA runs)."""
+that runs its lowering (or a vendor's kernels) as plain ATen for the executor to compile with its
+neighbours, a call that runs its kernels as their launches, for the executor to make from its own
+code (on CUDA under Inductor, and under Triton's interpreter with the eager executor, which runs
+what CUDA runs)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from seqcompile.fx_utils import device_of, site_name
 from seqcompile.lower.choice import Choice, choose
-from seqcompile.lower.inline import fake_mode_of, inline_lowerings
+from seqcompile.lower.inline import BODIES, fake_mode_of, inline_bodies
 from seqcompile.lower.traced_launches import inline_launches, launch_trace, launches_inlined
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
@@ -71,9 +72,9 @@ def implement(
     report: CompileReport,
     where: tuple[str, str],
 ) -> list[str]:
-    """Inline the lowerings chosen for `gm`'s fused calls, and the launches of those that run
-    kernels the executor launches (choosing first for a graph that reaches stage 6 without its
-    choices); the ops inlined, in order."""
+    """Inline the lowerings and vendor bodies chosen for `gm`'s fused calls, and the launches of
+    those that run kernels the executor launches (choosing first for a graph that reaches stage
+    6 without its choices); the ops inlined, in order."""
     fake_mode = fake_mode_of(gm, example_inputs)
     if any(_unchosen(node) for node in gm.graph.nodes):
         choose_implementations(gm, fake_mode, options, executor, report, where)
@@ -81,8 +82,9 @@ def implement(
     ops = [str(node.target) for node in launched]
     for node, why in inline_launches(gm, fake_mode, launched).items():
         log.warning("seqfast: %s is called as an op after all: %s", node.name, why)
-    lowered = [node for node in gm.graph.nodes if _chosen(node).implementation == "lowering"]
-    return ops + inline_lowerings(gm, example_inputs, lowered)
+    bodies = {node: _chosen(node).implementation for node in gm.graph.nodes}
+    bodies = {node: kind for node, kind in bodies.items() if kind in BODIES}
+    return ops + inline_bodies(gm, example_inputs, bodies)
 
 
 def _unchosen(node: Any) -> bool:

@@ -1,17 +1,19 @@
 """Stage 6's choice of what each fused call in a planned graph runs: the op as called (its
-generated kernels; on CPU its reference) or its lowering, plain ATen that the executor compiles
-with its neighbours (`lower/inline.py`).
+generated kernels; on CPU its reference), its lowering, plain ATen that the executor compiles
+with its neighbours (`lower/inline.py`), or a vendor's kernels (`FusedOp.vendor`), called from
+ATen the executor compiles the same way, for the calls the vendor can express.
 
-The `implementations` option forces one per operator or family. Otherwise ("auto"):
+The `implementations` option forces one per operator or family (a call the vendor cannot express
+runs its kernel, and the report says why). Otherwise ("auto"):
 - on CPU under Inductor, the lowering (the op would run its reference op by op); with the eager
   executor, under Triton's interpreter and on the meta device, the op as called;
 - on CUDA, measured on first use per (op, specialization, shape bucket, dtypes) on each device
   model, torch and Triton version: each candidate is checked against the lowering run op by op,
-  then timed (`lower/measure.py`). The lowering runs only where it is faster by more than `TIE`,
-  where it holds no value larger than the call's largest tensor or the op's own workspace, and
-  where it allocates no more while it runs than the kernel does (the memory plan is the kernel's).
-  Results are kept on disk beside the tuning cache; with `SEQFAST_AUTOTUNE=0` the shipped
-  `DEFAULT_TABLE` decides.
+  then timed (`lower/measure.py`). Another implementation replaces the kernel only where it is
+  faster by more than `TIE` and allocates no more while it runs than the kernel does (the memory
+  plan is the kernel's); the lowering only where it holds no value larger than the call's largest
+  tensor or the op's own workspace. Results are kept on disk beside the tuning cache; with
+  `SEQFAST_AUTOTUNE=0` the shipped `DEFAULT_TABLE` decides.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
 from seqcompile.fx_utils import concrete, device_of
-from seqcompile.lower.inline import Traced, traced_lowering
+from seqcompile.lower.inline import Traced, traced_body
 from seqcompile.lower.measure import (
     Measured,
     Measurer,
@@ -49,13 +51,20 @@ from seqcompile.run import runtime, tuning
 log = logging.getLogger("seqcompile")
 
 TIE = 0.05
-"""The lowering replaces the kernel only where it is faster by more than this fraction of the
-kernel's time: a tie goes to the generated kernel."""
+"""Another implementation replaces the kernel only where it is faster by more than this fraction
+of the kernel's time: a tie goes to the generated kernel."""
 
 ALLOCATION_SLACK = 1 << 20
-"""Bytes the lowering may allocate while it runs beyond what the kernel allocates."""
+"""Bytes another implementation may allocate while it runs beyond what the kernel allocates."""
 
+_FLASH = (
+    "SDPA's flash kernels ran attention (L 4096, d 128, bf16, causal or not, no dropout) at 1.3x"
+    " to 1.5x the generated forward's speed and 2.2x to 2.4x forward + backward's on an H200"
+    " (benchmarks/results/nvidia-h200.md)"
+)
 DEFAULT_TABLE: dict[str, tuple[str, str]] = {
+    "seqfast::attention": ("vendor", _FLASH),
+    "seqfast::attention_backward": ("vendor", _FLASH),
     "seqfast::pointwise_backward": (
         "lowering",
         "bias + GELU + dropout ran forward at 0.96x and forward + backward at 0.43x Inductor's"
@@ -63,12 +72,13 @@ DEFAULT_TABLE: dict[str, tuple[str, str]] = {
     ),
 }
 """What a CUDA call runs where nothing is measured (`SEQFAST_AUTOTUNE=0`), by op, with the
-measurement behind it; an op absent runs its kernel."""
+measurement behind it; an op absent runs its kernel, and so does a call the vendor named cannot
+express."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """What a fused call runs ("kernel" or "lowering") and why."""
+    """What a fused call runs ("kernel", "lowering" or "vendor") and why."""
 
     implementation: str
     reason: str
@@ -105,6 +115,10 @@ def measuring_with(measurer: Measurer) -> Iterator[None]:
 def _choice(node: Node, entry: FusedOp, options: Options, executor: str, fake_mode) -> Choice:
     asked = options.implementations
     forced = asked.get(entry.name, asked.get(entry.family, "auto"))
+    if forced == "vendor":
+        refusal = entry.vendor_refusal(Call.of(node))
+        if refusal is not None:
+            return Choice("kernel", f"the implementations option asks for vendor, but {refusal}")
     if forced != "auto":
         return Choice(forced, "forced by the implementations option")
     device = device_of(node)
@@ -112,16 +126,35 @@ def _choice(node: Node, entry: FusedOp, options: Options, executor: str, fake_mo
     if measurer is None and device.type == "cuda" and tuning.autotuning(device):
         measurer = cuda_measurer()
     if measurer is None:
-        return _by_rule(node, device, executor)
+        return _by_rule(node, entry, device, executor)
     if entry.in_place is not None and node.target is entry.in_place.twin:
         return Choice("kernel", f"writes over its argument {entry.in_place.over}: not measured")
-    excess = _excess(node, fake_mode)
-    if excess is not None:
-        return Choice("kernel", f"the lowering is not eligible: {excess}")
-    return _measured(node, entry, device, executor, fake_mode, measurer)
+    bodies, not_eligible = _eligible(node, entry, fake_mode)
+    if not bodies:
+        return Choice("kernel", "; ".join(not_eligible))
+    return _measured(node, entry, device, executor, fake_mode, measurer, bodies, not_eligible)
 
 
-def _by_rule(node: Node, device: torch.device, executor: str) -> Choice:
+def _eligible(node: Node, entry: FusedOp, fake_mode) -> tuple[list[str], list[str]]:
+    """The implementations besides the kernel that `node` may run, and why each other is not
+    eligible."""
+    bodies, not_eligible = [], []
+    if "lowering" in entry.implementations:
+        excess = _excess(node, fake_mode)
+        if excess is None:
+            bodies.append("lowering")
+        else:
+            not_eligible.append(f"the lowering is not eligible: {excess}")
+    if "vendor" in entry.implementations:
+        refusal = entry.vendor_refusal(Call.of(node))
+        if refusal is None:
+            bodies.append("vendor")
+        else:
+            not_eligible.append(f"the vendor is not eligible: {refusal}")
+    return bodies, not_eligible
+
+
+def _by_rule(node: Node, entry: FusedOp, device: torch.device, executor: str) -> Choice:
     if device.type == "cpu" and runtime.interpreting():
         return Choice("kernel", "on CPU under Triton's interpreter: the generated kernels")
     if device.type == "cpu":
@@ -131,6 +164,8 @@ def _by_rule(node: Node, device: torch.device, executor: str) -> Choice:
     if device.type != "cuda":
         return Choice("kernel", f"on the {device.type} device: the op as called")
     implementation, why = DEFAULT_TABLE.get(str(node.target.name()), ("kernel", "no measurement"))
+    if implementation == "vendor" and (refusal := entry.vendor_refusal(Call.of(node))):
+        implementation, why = "kernel", f"the vendor is not eligible: {refusal}"
     return Choice(
         implementation, f"default table, nothing measured ({tuning.AUTOTUNE_ENV}=0): {why}"
     )
@@ -144,7 +179,7 @@ def _excess(node: Node, fake_mode: Any) -> str | None:
     call_values += tree_flatten(node.meta.get("val"))[0]
     largest = max((_numel(v) for v in call_values if isinstance(v, torch.Tensor)), default=0)
     workspace = registry.workspace_of(node)
-    for inner in traced_lowering(node, fake_mode).gm.graph.nodes:
+    for inner in traced_body(node, fake_mode).gm.graph.nodes:
         value = inner.meta.get("val")
         if inner.op != "call_function" or not isinstance(value, torch.Tensor):
             continue
@@ -167,42 +202,50 @@ def _numel(value: torch.Tensor) -> int:
 
 
 def _measured(
-    node: Node, entry: FusedOp, device: torch.device, executor: str, fake_mode, measurer
+    node: Node,
+    entry: FusedOp,
+    device: torch.device,
+    executor: str,
+    fake_mode,
+    measurer,
+    bodies: list[str],
+    not_eligible: list[str],
 ) -> Choice:
     path, key = _results_file(device), _key(node)
     found = read_entries(path, "implementations").get(key)
-    if isinstance(found, dict) and found.get("implementation") in entry.implementations:
+    if isinstance(found, dict) and found.get("implementation") in ("kernel", *bodies):
         return Choice(found["implementation"], f"measured earlier: {found.get('measured')}")
-    compile_lowering = compiled_by_inductor if executor == "inductor" else run_as_traced
+    compile_body = compiled_by_inductor if executor == "inductor" else run_as_traced
     launches = launch_trace(node, fake_mode) if launches_inlined(device, executor) else None
     traced = launches if isinstance(launches, Traced) else None  # (else the op as called)
-    measured = measure(node, fake_mode, compile_lowering, measurer, traced)
+    measured = measure(node, fake_mode, compile_body, measurer, traced, bodies)
     choice = _fastest(measured)
-    add_entry(path, key, {"implementation": choice.implementation, "measured": choice.reason})
-    log.info("seqfast: %s: %s (%s)", key, choice.implementation, choice.reason)
-    return Choice(choice.implementation, f"measured: {choice.reason}")
+    said = "; ".join([choice.reason, *not_eligible])
+    add_entry(path, key, {"implementation": choice.implementation, "measured": said})
+    log.info("seqfast: %s: %s (%s)", key, choice.implementation, said)
+    return Choice(choice.implementation, f"measured: {said}")
 
 
 def _fastest(measured: Measured) -> Choice:
-    """The lowering where it agrees with the reference and beats the kernel by more than `TIE`
-    without allocating more; the kernel otherwise."""
-    times, allocated, rejected = measured.times, measured.allocated, dict(measured.rejected)
-    if "lowering" in allocated and "kernel" in allocated:
-        limit = allocated["kernel"] + ALLOCATION_SLACK
-        if allocated["lowering"] > limit:
-            rejected["lowering"] = (
-                f"allocates {allocated['lowering']} bytes while it runs where the kernel"
-                f" allocates {allocated['kernel']}"
+    """The fastest implementation that agrees with the reference, beats the kernel by more than
+    `TIE` and allocates no more than it while it runs; the kernel otherwise."""
+    times, allocated, rejected = dict(measured.times), measured.allocated, dict(measured.rejected)
+    kernel_bytes = allocated.get("kernel")
+    for name in [name for name in times if name != "kernel" and name in allocated]:
+        if kernel_bytes is not None and allocated[name] > kernel_bytes + ALLOCATION_SLACK:
+            rejected[name] = (
+                f"allocates {allocated[name]} bytes while it runs where the kernel allocates"
+                f" {kernel_bytes}"
             )
-            del times["lowering"]
-    lowering = times.get("lowering")
-    kernel = times.get("kernel")
-    wins = lowering is not None and (kernel is None or lowering < kernel * (1 - TIE))
     said = ", ".join(f"{name} {ms:.4g} ms" for name, ms in times.items())
     said += "".join(f"; {name} left out: it {why}" for name, why in rejected.items())
-    if kernel is None and lowering is None:
+    others = {name: ms for name, ms in times.items() if name != "kernel" and name not in rejected}
+    best = min(others, key=others.__getitem__, default=None)
+    kernel = times.get("kernel")
+    wins = best is not None and (kernel is None or others[best] < kernel * (1 - TIE))
+    if not times:
         log.warning("seqfast: no implementation agrees with the reference (%s)", said)
-    return Choice("lowering" if wins else "kernel", said)
+    return Choice(best if wins else "kernel", said)
 
 
 def _key(node: Node) -> str:

@@ -1,9 +1,10 @@
 """A fused call replaced by a trace of what it runs, copied into the planned graph in its place:
 - its lowering (`FusedOp.lowering`), plain ATen the executor (Inductor) compiles with the call's
   neighbours, where the call runs its lowering (`lower/choice.py`; on CPU under Inductor, every
-  one). The gradient-accumulation ops (`ops/accumulate.py`) stay calls: each is one in-place ATen
-  op on a parameter's `.grad`, which Inductor runs as it is, and so does the check every index a
-  lowering reads from outside passes first (`ops/index_check.py`);
+  one); likewise its vendor body (`FusedOp.vendor`), ATen that calls a vendor's kernels. The
+  gradient-accumulation ops (`ops/accumulate.py`) stay calls: each is one in-place ATen op on a
+  parameter's `.grad`, which Inductor runs as it is, and so does the check every index a lowering
+  reads from outside passes first (`ops/index_check.py`);
 - its kernels' launches, where it runs its kernels and the executor can launch them
   (`lower/traced_launches.py`).
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -39,32 +40,41 @@ __all__ = [
     "Traced",
     "call_inputs",
     "call_signature",
-    "inline_lowerings",
+    "body_of",
+    "inline_bodies",
     "inline_traced",
-    "lowering_of",
     "memoized",
+    "traced_body",
     "traced_call",
-    "traced_lowering",
 ]
 
+BODIES = ("lowering", "vendor")
+"""The implementations of a fused call that are plain ATen bodies, traced and inlined."""
 
-def lowering_of(target: Any) -> Callable[..., Any] | None:
-    """The plain-ATen body of a `seqfast` op, by its arguments' names (None for any other op)."""
+
+def body_of(kind: str, target: Any) -> Callable[..., Any] | None:
+    """The plain-ATen body of a `seqfast` op's implementation `kind` (one of `BODIES`), by its
+    arguments' names (None for any other op, or one without that body)."""
     entry = registry.entry_of(target)
-    return None if entry is None else entry.lowering.get(target)
+    if entry is None:
+        return None
+    if kind == "vendor":
+        return entry.vendor.bodies.get(target) if entry.vendor is not None else None
+    return entry.lowering.get(target)
 
 
-def inline_lowerings(
-    gm: GraphModule, example_inputs: Sequence[Any], nodes: Collection[Node]
+def inline_bodies(
+    gm: GraphModule, example_inputs: Sequence[Any], nodes: dict[Node, str]
 ) -> list[str]:
-    """Replace each fused call of `nodes` in `gm` by its traced lowering; the names of the ops
-    replaced, in order."""
+    """Replace each fused call of `nodes` in `gm` by its traced body of the kind given (one of
+    `BODIES`); the names of the ops replaced, in order."""
     fake_mode = fake_mode_of(gm, example_inputs)
     lowered = []
     for node in list(gm.graph.nodes):
-        if node not in nodes or lowering_of(node.target) is None:
+        kind = nodes.get(node)
+        if kind is None or body_of(kind, node.target) is None:
             continue
-        inline_traced(gm, node, traced_lowering(node, fake_mode))
+        inline_traced(gm, node, traced_body(node, fake_mode, kind))
         lowered.append(str(node.target))
     if lowered:
         gm.recompile()
@@ -87,16 +97,17 @@ class Traced:
     inputs: tuple[Node, ...]
 
 
-def traced_lowering(node: Node, fake_mode: Any) -> Traced:
-    """The lowering of the fused call `node`, traced in plain ATen at its arguments' fake values
-    (an index a gather reads from outside checked first, as eager would)."""
+def traced_body(node: Node, fake_mode: Any, kind: str = "lowering") -> Traced:
+    """The body `kind` (one of `BODIES`) of the fused call `node`, traced in plain ATen at its
+    arguments' fake values (an index a gather reads from outside checked first, as eager
+    would)."""
 
     def trace() -> GraphModule:
-        gm = traced_call(node, lowering_of(node.target), fake_mode).gm
+        gm = traced_call(node, body_of(kind, node.target), fake_mode).gm
         check_indices(gm, str(node.target))  # (Inductor's own check would end the process)
         return gm
 
-    return Traced(memoized("lowering", node, fake_mode, trace), call_inputs(node))
+    return Traced(memoized(kind, node, fake_mode, trace), call_inputs(node))
 
 
 _TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()

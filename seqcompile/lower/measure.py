@@ -1,7 +1,7 @@
 """Measuring a fused call's candidate implementations at its traced sizes: each runs on random
 inputs on the call's device, is checked against the call's lowering run op by op (plain ATen, the
-answer every path must give), and only then timed. A candidate that disagrees is never timed; its
-disagreement is the reason it was left out.
+answer every path must give), and only then timed. A candidate that disagrees, or fails to compile
+or run, is never timed; its disagreement or its error is the reason it was left out.
 
 The timer is injected (`Measurer`): on CUDA Triton's `do_bench` median and the bytes allocated
 while a candidate runs; tests give their own."""
@@ -9,6 +9,7 @@ while a candidate runs; tests give their own."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,10 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_map
 
 from seqcompile.fx_utils import concrete
-from seqcompile.lower.inline import Traced, traced_lowering
+from seqcompile.lower.inline import Traced, traced_body
+from seqcompile.ops import registry
+
+log = logging.getLogger("seqcompile")
 
 Run = Callable[[], Any]
 
@@ -33,7 +37,7 @@ tight enough for a wrong mask or a missing term."""
 class Measurer:
     """How candidates are timed: `time(name, run)` in milliseconds, and `allocated(name, run)`
     the bytes allocated while `run` runs beyond what it started with (None: not measured); `name`
-    is the candidate's ("kernel", "lowering")."""
+    is the candidate's ("kernel", "lowering", "vendor")."""
 
     time: Callable[[str, Run], float]
     allocated: Callable[[str, Run], int] | None = None
@@ -70,28 +74,41 @@ class Measured:
 def measure(
     node: Node,
     fake_mode: Any,
-    compile_lowering: Callable[[Traced], Callable],
+    compile_body: Callable[[Traced], Callable],
     measurer: Measurer,
     launches: Traced | None = None,
+    bodies: Sequence[str] = ("lowering",),
 ) -> Measured:
-    """Check and time the kernels and the lowering as the executor compiles it
-    (`compile_lowering`) on one set of random inputs at `node`'s traced sizes: the kernels as
-    their traced `launches` compiled the same way where given (what the executor runs), else the
-    op as called."""
-    traced = traced_lowering(node, fake_mode)
+    """Check and time, on one set of random inputs at `node`'s traced sizes, the kernels and each
+    of `bodies` (traced, then compiled as the executor compiles them: `compile_body`); the kernels
+    as their traced `launches` compiled the same way where given (what the executor runs), else
+    the op as called."""
+    traced = traced_body(node, fake_mode)
+    entry = registry.entry_of(node)
+    compared = entry.compared.get(node.target, lambda result: result)
     with unset_fake_temporarily():
         inputs = {arg: _random_like(arg.meta["val"]) for arg in dict.fromkeys(traced.inputs)}
         ordered = [inputs[arg] for arg in traced.inputs]
-        candidates = {
-            "kernel": _called(node, inputs)
+        candidates: dict[str, Callable[[], Run]] = {
+            "kernel": (lambda: _called(node, inputs))
             if launches is None
-            else _boxed(compile_lowering(launches), ordered),
-            "lowering": _boxed(compile_lowering(traced_lowering(node, fake_mode)), ordered),
+            else (lambda: _boxed(compile_body(launches), ordered)),
         }
-        reference = traced.gm(*ordered)
+        for kind in bodies:
+            candidates[kind] = lambda kind=kind: _boxed(
+                compile_body(traced_body(node, fake_mode, kind)), ordered
+            )
+        reference = compared(traced.gm(*ordered))
         times, allocated, rejected = {}, {}, {}
-        for name, run in candidates.items():
-            problem = disagreement(run(), reference)
+        for name, make in candidates.items():
+            try:
+                run = make()
+                result = run()
+            except Exception as error:  # (any failure leaves the candidate out, and says so)
+                log.warning("seqfast: %s of %s fails: %s", name, node.target, error)
+                rejected[name] = f"fails: {type(error).__name__}: {str(error)[:200]}"
+                continue
+            problem = disagreement(compared(result), reference)
             if problem is not None:
                 rejected[name] = f"differs from the reference: {problem}"
                 continue

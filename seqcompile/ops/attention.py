@@ -37,9 +37,10 @@ from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.fx_utils import concrete
 from seqcompile.ops import attention_configs as configs
 from seqcompile.ops import attention_reference as reference
+from seqcompile.ops import attention_vendor as vendor
 from seqcompile.ops import samples_attention, score_mods, sharding_rules
 from seqcompile.ops.attention_layout import Layout, broadcasts_to
-from seqcompile.ops.fused_op import Call, FusedOp, gradients, named, needs_grad
+from seqcompile.ops.fused_op import Call, FusedOp, Vendor, gradients, named, needs_grad
 from seqcompile.run import runtime, tuning
 
 Tensor = torch.Tensor
@@ -229,6 +230,11 @@ def _forward_through(impl, arguments: Mapping[str, Any]) -> tuple[Tensor, Tensor
 def lower_forward(**arguments: Any) -> tuple[Tensor, Tensor, Tensor]:
     """The forward on CPU in plain ATen (the registry's lowering): the reference."""
     return _forward_through(reference.forward, arguments)
+
+
+def vendor_forward(**arguments: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward through SDPA's flash kernels (for the calls `vendor.refusal` accepts)."""
+    return _forward_through(vendor.forward, arguments)
 
 
 @attention.register_fake
@@ -474,6 +480,11 @@ def lower_backward(**arguments: Any) -> tuple[Tensor, ...]:
     return _backward_through(reference.backward, arguments)
 
 
+def vendor_backward(**arguments: Any) -> tuple[Tensor, ...]:
+    """The backward through SDPA's flash kernels (for the calls `vendor.refusal` accepts)."""
+    return _backward_through(vendor.backward, arguments)
+
+
 @attention_backward.register_fake
 @named(torch.ops.seqfast.attention_backward.default)
 def _(call: Call):
@@ -638,6 +649,14 @@ ENTRY = FusedOp(
     },
     workspace={torch.ops.seqfast.attention_backward.default: backward_workspace},
     describe=describe,
+    vendor=Vendor(
+        bodies={
+            torch.ops.seqfast.attention.default: vendor_forward,
+            torch.ops.seqfast.attention_backward.default: vendor_backward,
+        },
+        refusal=vendor.refusal,
+    ),
+    compared={torch.ops.seqfast.attention.default: vendor.compared},
     samples=samples_attention.samples,
     benchmark="benchmarks.attention",
 )

@@ -162,7 +162,7 @@ def no_bias_grad(q: Tensor, bias: Tensor | None) -> Tensor:
     return q.new_empty((0,), dtype=bias.dtype if bias is not None else q.dtype)
 
 
-def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
+def sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
     """Gradient per query head summed over the query heads that share a key/value head."""
     b, h, length, d = grad.shape
     if h == kv_heads:  # (no heads at all included)
@@ -195,8 +195,8 @@ def backward(
     dk = ds.transpose(-1, -2) @ q.float() * scale
     return (
         dq.to(q.dtype),
-        _sum_heads(dk, kv_heads).to(k.dtype),
-        _sum_heads(dv, kv_heads).to(v.dtype),
+        sum_heads(dk, kv_heads).to(k.dtype),
+        sum_heads(dv, kv_heads).to(v.dtype),
         dbias.contiguous(),
         drel.contiguous(),
     )

@@ -157,6 +157,18 @@ class InPlace:
 
 Kernels = Callable[[Call], list[KernelSpec]]
 
+
+@dataclasses.dataclass(frozen=True)
+class Vendor:
+    """A vendor library's kernels for the calls of a fused op they can express."""
+
+    bodies: Mapping[OpOverload, Callable[..., Any]]
+    """For each of the op's calls: plain ATen that calls the vendor's kernels, taking the op's
+    arguments by name and returning what the op returns (as a lowering does)."""
+    refusal: Callable[[Call], str | None]
+    """Why the vendor cannot compute a call as the op defines it (None: it can)."""
+
+
 IMPLEMENTATIONS = ("kernel", "lowering", "vendor")
 """What a call of a fused op may run: the op as called (its generated kernels; on CPU its
 reference), its lowering compiled by the executor, or a vendor library's kernel."""
@@ -218,13 +230,27 @@ class FusedOp:
     describe: Callable[[Call], str | None] | None = None
     """What the report says about a forward call at the traced sizes, beyond its kernels (the
     masks attention computes or reads, and the blocks it skips)."""
+    vendor: Vendor | None = None
+    compared: Mapping[OpOverload, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
+    """For an op whose results two correct implementations may give differently: what of them
+    they must agree on (attention's row statistics, of which only the sum is defined)."""
 
     @property
     def implementations(self) -> tuple[str, ...]:
         """What its calls may run (`IMPLEMENTATIONS`): the op itself always, its lowering where
-        every op of it has one."""
+        every op of it has one, and a vendor's kernels where it declares them."""
         lowered = all(op in self.lowering for op in self.ops)
-        return ("kernel", "lowering") if lowered else ("kernel",)
+        return (
+            "kernel",
+            *(("lowering",) if lowered else ()),
+            *(("vendor",) if self.vendor is not None else ()),
+        )
+
+    def vendor_refusal(self, call: Call) -> str | None:
+        """Why `call` cannot run the vendor's kernels (None: it can)."""
+        if self.vendor is None or call.op not in self.vendor.bodies:
+            return f"{self.name} has no vendor kernel for {call.op}"
+        return self.vendor.refusal(call)
 
     def label_of(self, call: Call) -> str:
         named = self.label(call) if self.label is not None else None

@@ -118,14 +118,18 @@ def _values(g) -> Iterator[Sample]:
 
 
 def _features(g) -> Iterator[Sample]:
-    """The other tensor arguments: a padding mask with a sequence wholly padded, grouped heads,
-    a relative bias with a prefix, document ids with a window."""
+    """No mask or bias at all; the other tensor arguments: a padding mask with a sequence wholly
+    padded, grouped heads (also causal over as many keys as queries), a relative bias with a
+    prefix, document ids with a window."""
     batched = {**BASE, "b": 3, "h": 1}
     b, h, lq, lk, d = batched.values()
     padding = torch.rand((b, 1, 1, lk), generator=g) > 0.3
     padding[1] = False
     yield _sample("padding-causal", _call(g, **batched, mask=padding, causal=True))
+    yield _sample("plain", _call(g, **BASE))
     yield _sample("grouped-heads", _call(g, **BASE, kv_heads=1, causal=True))
+    square = {**BASE, "lk": BASE["lq"]}  # (what SDPA's flash kernels take causal)
+    yield _sample("grouped-heads-causal-square", _call(g, **square, kv_heads=1, causal=True))
     prefix = torch.tensor([0, 5, lk], dtype=torch.int64).view(b, 1, 1, 1)
     relative = randn(g, 1, h, 1, lq + lk - 1)
     yield _sample(

@@ -1,6 +1,7 @@
 """Every fused operator on every sample its registry entry declares (`FusedOp.samples`), on both
-paths (the reference on CPU, the generated kernels under Triton's interpreter) and, in the GPU
-tier, compiled on CUDA, forward and every gradient, against the sample's eager composition in
+paths (the reference on CPU, the generated kernels under Triton's interpreter), through its vendor
+kernels on CPU where it has them and the sample's calls allow them, and, in the GPU tier,
+compiled on CUDA, forward and every gradient, against the sample's eager composition in
 float64, with every kernel output poisoned (NaN) before it is written and NaN expected exactly
 where eager gives NaN. Every `seqfast` op the sample calls (forward, backward, in-place twin) must
 give each output the shape, dtype and strides its fake implementation promises, which compiled
@@ -15,27 +16,59 @@ without a test of their own."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 import torch
 from checks import SeqfastCalls, forward_kernels
 from conftest import TOLERANCES
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqcompile.codegen import counting_launches
 from seqcompile.ops import registry
-from seqcompile.ops.fused_op import FusedOp
+from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.samples import LAYOUTS, Sample, applies, in_layout, replace_slots, tensor_slots
 
-PATHS = ("reference", "kernels", "cuda")
-"""Where the op runs: the reference on CPU, the kernels under the interpreter or on CUDA."""
+PATHS = ("reference", "kernels", "vendor", "cuda")
+"""Where the op runs: the reference on CPU, the kernels under the interpreter, the vendor's
+kernels on CPU (`FusedOp.vendor`), the kernels on CUDA."""
+
+
+class VendorCalls(TorchDispatchMode):
+    """Runs each call of `entry`'s ops that its vendor accepts through the vendor's body instead,
+    and counts them by op; the other calls run as called."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, entry: FusedOp) -> None:
+        super().__init__()
+        self.entry, self.ran = entry, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        call = Call(func, args, kwargs or {}) if func in self.entry.vendor.bodies else None
+        if call is None or self.entry.vendor_refusal(call) is not None:
+            return func(*args, **(kwargs or {}))
+        self.ran[func] = self.ran.get(func, 0) + 1
+        return self.entry.vendor.bodies[func](**{name: call[name] for name in call})
+
+
+def _path_applies(entry: FusedOp, sample: Sample, path: str) -> bool:
+    """The vendor path runs the samples whose forward call the vendor accepts, with finite values
+    (on others a vendor gives its own answer: ATen's CPU flash kernel a zero row for a query row
+    of NaN, where eager softmax gives NaN)."""
+    if path != "vendor":
+        return True
+    forward = Call(entry.forward, (), sample.args)
+    finite = all(t.isfinite().all() for _, t in tensor_slots(sample.args) if t.is_floating_point())
+    return entry.vendor is not None and entry.vendor_refusal(forward) is None and finite
 
 
 def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str, slow: bool):
     """The case on each path: the kernel path joins the kernel tier, naming its kernels; the CUDA
     path, for contiguous samples, the GPU tier."""
     for path in PATHS:
-        if path == "cuda" and layouts:
+        if (path == "cuda" and layouts) or not _path_applies(entry, sample, path):
             continue
         case_id = f"{entry.name}-{sample.name}-{label}-{path}"
         marks = []
@@ -88,10 +121,13 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
     wide = {slot: _wide(t, slot in sample.grads) for slot, t in tensors.items()}
     expected = list(sample.eager(**replace_slots(args, lambda slot, _: wide[slot])))
     calls = SeqfastCalls()
-    with counting_launches() as launches, calls:
+    vendor = VendorCalls(entry) if path == "vendor" else contextlib.nullcontext()
+    with counting_launches() as launches, vendor, calls:  # (calls records the vendor's results)
         result = entry.forward(**args)
     calls.assert_fakes_agree()
-    if path != "reference":  # checked first: an output the reference gives fails for this reason
+    if path == "vendor":
+        assert vendor.ran.get(entry.forward), "the vendor's forward never ran"
+    if path in ("kernels", "cuda"):  # (first: an output the reference gives fails for this reason)
         missing = [name for name in forward_kernels(entry, sample) if not launches.of(name)]
         assert not missing, f"kernels {missing} were never launched"
     outputs = [result[i] for i in sample.outputs] if isinstance(result, tuple | list) else [result]
@@ -103,12 +139,14 @@ def test_sample(request, monkeypatch, entry, sample, layouts, path):
         return
     g = torch.Generator().manual_seed(7)
     cotangents = [torch.randn(a.shape, generator=g).to(device) for a, _ in differentiable]
-    with calls:
+    with vendor, calls:
         actual_grads = torch.autograd.grad(
             [a for a, _ in differentiable], [tensors[s] for s in sample.grads], cotangents,
             allow_unused=True,
         )  # fmt: skip
     calls.assert_fakes_agree()
+    if path == "vendor":
+        assert set(vendor.ran) == set(entry.vendor.bodies), "the vendor's backward never ran"
     expected_grads = torch.autograd.grad(
         [e for _, e in differentiable], [wide[s] for s in sample.grads],
         [c.double() for c in cotangents], allow_unused=True,
