@@ -6,7 +6,8 @@ eager executor on CUDA, a call whose launches do not trace), each call it makes 
 each is then replayed alone and timed. Printed: microseconds per call by op beside an empty custom
 op's, and per step the fused calls, the launches and the host milliseconds those calls take. Then
 the same step compiled as it is by default, its kernels' launches traced into the graphs
-(`lower/traced_launches.py`): the fused calls left that run the op's Python per step.
+(`lower/traced_launches.py`): the fused calls left that run the op's Python per step; and once
+more compiled at symbolic sizes (`dynamic=True`), stepping at a second length.
 
     python -m benchmarks.host_overhead [--quick] [--reps N] [--output FILE]
 """
@@ -193,6 +194,14 @@ def main() -> None:
         step()  # compiles as by default
         with recording_fused_calls() as still_called, counting_launches() as traced_launches:
             step()
+        torch._dynamo.reset()
+        dynamic_model = torch.compile(
+            model, backend="seqfast", dynamic=True, options={"rest": "eager"}
+        )
+        dynamic_model(*data).backward()  # compiles at symbolic sizes
+        shorter = toy_batch(config, batch, length - 3, torch.device("cpu"), torch.Generator())
+        with recording_fused_calls() as dynamic_called:
+            dynamic_model(*shorter).backward()
         by_op: dict[str, list[tuple[float, int]]] = {}
         for call in calls:  # as the compiled graphs call them: beneath autograd
             with torch.no_grad():
@@ -225,6 +234,9 @@ def main() -> None:
         f" {len(still_called)} fused calls per step run the op's Python"
         f" ({', '.join(sorted({str(c.op) for c in still_called})) or 'none'}),"
         f" {sum(traced_launches.names().values())} launches",
+        f"- compiled at symbolic sizes, a step at another length: {len(dynamic_called)} fused"
+        f" calls run the op's Python"
+        f" ({', '.join(sorted({str(c.op) for c in dynamic_called})) or 'none'})",
         "",
         *table(
             ["op", "calls per step", "us per call", "us beyond an empty custom op", "ATen ops"],

@@ -8,9 +8,12 @@ signature: `inline.memoized`).
 Launches are traced where the executor can make them (`launches_inlined`): on CUDA under Inductor,
 whose wrapper launches them (and captures them in CUDA graphs under `mode="reduce-overhead"`), and
 on CPU under Triton's interpreter with the eager executor, which runs what CUDA runs, op by op. A
-call whose launches do not trace (a host read at fake values, symbolic sizes, an op that writes
-over its argument) stays a call, and the report says why. On CUDA a call's kernels are tuned at
-its sizes before the trace, which times nothing (`run/tuning.py`)."""
+call whose launches do not trace (a host read at fake values, a launcher that decides by a
+symbolic size's exact value, an op that writes over its argument) stays a call, and the report
+says why. At symbolic sizes the grids stay expressions of the sizes, launch configurations are
+those chosen at the sizes traced (their hints), and bounds the launcher checks (an index past
+2**31) become guards, so one compile serves every size within them. On CUDA a call's kernels are
+tuned at its sizes before the trace, which times nothing (`run/tuning.py`)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import sympy
 import torch
 from torch._higher_order_ops import triton_kernel_wrap
 from torch._library.custom_ops import _maybe_get_opdef
@@ -73,10 +77,12 @@ def _trace(node: Node, fake_mode: Any) -> GraphModule | str:
     if tuning.autotuning(device_of(node)):
         _tune(node)
     try:
-        with tracing_launches(), _writes_known(node):
+        with tracing_launches(), _writes_known(node), _no_specialization(fake_mode):
             gm = traced_call(node, _maybe_get_opdef(node.target)._init_fn, fake_mode).gm
     except DataDependentOutputException:
         return "its launcher reads a tensor on the host, which a trace at fake values cannot"
+    except Specializes as size:
+        return f"its launcher decides by the exact value of a symbolic size ({size})"
     except Exception as error:  # any failure of the trace: the op is still called
         first = f"{type(error).__name__}: {error}".splitlines()[0][:240]
         return f"its launches do not trace ({first})"
@@ -114,13 +120,40 @@ def _drop_argument_copies(gm: GraphModule) -> None:
 def _not_traceable(node: Node) -> str | None:
     if node.target._schema.is_mutable:
         return "it writes over an argument"
-    for arg in node.all_input_nodes:
-        value = arg.meta.get("val")
-        if isinstance(value, torch.Tensor) and not all(
-            isinstance(n, int) for n in (*value.shape, *value.stride())
-        ):
-            return "its sizes are symbolic (a launch configuration is chosen per size)"
     return None
+
+
+class Specializes(Exception):
+    """A trace would fix a symbolic size to one value."""
+
+
+@contextlib.contextmanager
+def _no_specialization(fake_mode: Any) -> Iterator[None]:
+    """Within it, a trace that would decide anything but a bound from a symbolic size (its
+    `int()`, a branch on its equality) raises `Specializes` before the guard is kept: such a
+    launcher stays a call, so the compile keeps serving every size instead of one per size.
+    A bound (a size below 2**31, say) is kept as a guard, as Inductor keeps its own."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        yield
+        return
+    evaluate = shape_env.evaluate_expr
+
+    def evaluate_bounds_only(expr, *args: Any, **kwargs: Any):
+        if shape_env._maybe_evaluate_static(expr) is None and not _is_bound(expr):
+            raise Specializes(str(expr))
+        return evaluate(expr, *args, **kwargs)
+
+    shape_env.evaluate_expr = evaluate_bounds_only
+    try:
+        yield
+    finally:
+        del shape_env.evaluate_expr  # (the method again)
+
+
+def _is_bound(expr: Any) -> bool:
+    """An inequality (`<`, `<=`, `>`, `>=`) between sizes and constants."""
+    return isinstance(expr, sympy.Rel) and not isinstance(expr, sympy.Eq | sympy.Ne)
 
 
 @contextlib.contextmanager

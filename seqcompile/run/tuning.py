@@ -25,6 +25,7 @@ from triton.errors import TritonError
 from seqcompile.codegen.cache import CACHE_ENV, add_entry, cache_dir, read_entries, text_digest
 from seqcompile.codegen.launches import launches_traced
 from seqcompile.codegen.render import KernelSpec
+from seqcompile.fx_utils import concrete
 
 log = logging.getLogger("seqcompile")
 
@@ -76,9 +77,11 @@ def launch(
 ) -> Config:
     """Run `run` once with the configuration chosen for the kernel of `spec` at `key` (its
     dtypes and sizes; tuned on the first launch where tuning applies), and return it. `run` must
-    launch the kernel with the configuration's options and nothing else that changes with it."""
+    launch the kernel with the configuration's options and nothing else that changes with it. A
+    trace at symbolic sizes takes the configuration chosen at the sizes it was traced at."""
     chosen = space[0]
     if len(space) > 1 and repeatable and autotuning(device):
+        key = tuple(_hint(k) for k in key)
         remembered = (spec, tuple(key), device, os.environ.get(CACHE_ENV, ""))
         chosen = _MEMORY.get(remembered)
         if chosen is None and launches_traced():
@@ -87,6 +90,11 @@ def launch(
             chosen = _MEMORY[remembered] = _tuned(spec, key, space, run, device)
     run(chosen)
     return chosen
+
+
+def _hint(value: Any) -> Any:
+    """A symbolic size at the value it had when traced (read without a guard)."""
+    return concrete(value) if isinstance(value, torch.SymInt) else value
 
 
 _MEMORY: dict[tuple[KernelSpec, tuple[Any, ...], torch.device, str], Config] = {}

@@ -111,6 +111,60 @@ def test_a_call_whose_launches_do_not_trace_is_called_with_the_reason(interpret,
     torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.kernels("add_norm_fwd", "add_norm_bwd", "pointwise:forward", "pointwise:backward")
+def test_at_symbolic_sizes_one_compile_launches_the_kernels_at_every_length(interpret):
+    """A dynamic compile traces the launches with grids in the symbolic sizes: a second length
+    runs the same compiled graphs (no second compile), the executor launching every kernel, and
+    both match eager."""
+    torch.manual_seed(0)
+    norm_, fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def model(x):
+        return torch.nn.functional.gelu(fc(norm_(x + 1))) * 2 + x
+
+    compiled = torch.compile(model, backend="seqfast", dynamic=True, options={"rest": "eager"})
+    for rows, compiles in ((6, 1), (11, 0)):
+        x = torch.randn(rows, 16, requires_grad=True)
+        with report.collecting() as seen, counting_launches() as launches:
+            out = compiled(x)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+        uses = [(use.op, use.reason) for use in seen.implementations]
+        assert len({use.graph for use in seen.implementations}) == compiles, uses
+        assert all(reason.endswith("launched by the executor") for _, reason in uses), uses
+        kernels = ("add_norm_fwd", "add_norm_bwd", "pointwise:forward", "pointwise:backward")
+        assert all(launches.of(kernel) for kernel in kernels), launches
+        want = model(x)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(grad, torch.autograd.grad(want.square().sum(), x)[0])
+    torch._dynamo.reset()
+
+
+@pytest.mark.kernels("add_norm_fwd")
+def test_a_launcher_that_reads_a_symbolic_sizes_value_is_called(interpret, monkeypatch):
+    """A launcher deciding by a size's exact value would fix the compile to that size: it stays
+    a call, and the compile keeps serving other sizes."""
+    forward_kernels = norm.forward_kernels
+
+    def by_the_row_count(**arguments):
+        if int(arguments["x"].shape[0]) < 0:  # an exact value (its guard would fix the size)
+            raise AssertionError("unreachable")
+        return forward_kernels(**arguments)
+
+    monkeypatch.setattr(norm, "forward_kernels", by_the_row_count)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    compiled = torch.compile(model, backend="seqfast", dynamic=True, options={"rest": "eager"})
+    with report.collecting() as seen, torch.no_grad():
+        compiled(torch.randn(5, 16))
+        x = torch.randn(9, 16)
+        out = compiled(x)
+    torch._dynamo.reset()
+    (use,) = [use for use in seen.implementations if use.op == "add_norm"]
+    assert "called as an op: its launcher decides by the exact value of a symbolic size" in (
+        use.reason
+    )
+    torch.testing.assert_close(out, model(x))
+
+
 @pytest.mark.kernels("add_norm_fwd")
 def test_a_call_that_cannot_be_tuned_at_compile_time_still_traces(interpret, monkeypatch, caplog):
     def out_of_memory(node):
