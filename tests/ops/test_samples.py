@@ -10,7 +10,8 @@ graphs are planned and compiled by.
 The sweep crosses each sample with each layout (`ops/samples.py`: transposed, strided, expanded,
 at an offset, a window of a larger tensor) of each tensor argument. The default tier runs every
 sample contiguous, and each layout on every tensor argument at once on each operator's first
-sample; the slow tier runs every sample with each tensor argument alone in each layout; the GPU
+sample (on the kernel path, each operator's other samples half per run, in turn); the slow tier
+runs every sample with each tensor argument alone in each layout; the GPU
 tier (`-m gpu`) runs every sample contiguous on CUDA, so each entry's kernels are tested compiled
 without a test of their own."""
 
@@ -64,8 +65,11 @@ def _path_applies(entry: FusedOp, sample: Sample, path: str) -> bool:
     return entry.vendor is not None and entry.vendor_refusal(forward) is None and finite
 
 
-def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str, slow: bool):
-    """The case on each path: the kernel path joins the kernel tier, naming its kernels; the CUDA
+def _params(
+    entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str, slow: bool, first: bool
+):
+    """The case on each path: the kernel path joins the kernel tier, naming its kernels (in the
+    default run, beyond each operator's first sample, half of them per run, in turn); the CUDA
     path, for contiguous samples, the GPU tier."""
     for path in PATHS:
         if (path == "cuda" and layouts) or not _path_applies(entry, sample, path):
@@ -79,6 +83,8 @@ def _params(entry: FusedOp, sample: Sample, layouts: dict[str, str], label: str,
         if path == "kernels":
             kernels = forward_kernels(entry, sample)
             marks += [pytest.mark.interpreter, pytest.mark.kernels(*kernels)]
+            if not (slow or first):  # (the default run has a time budget)
+                marks.append(pytest.mark.rotating(2))
         yield pytest.param(entry, sample, layouts, path, id=case_id, marks=marks)
 
 
@@ -86,15 +92,18 @@ def _cases() -> Iterator:
     for entry in registry.ENTRIES:
         samples = list(entry.samples())
         for sample in samples:
-            yield from _params(entry, sample, {}, "contiguous", slow=False)
+            yield from _params(
+                entry, sample, {}, "contiguous", slow=False, first=sample is samples[0]
+            )
         first = samples[0]
         for layout in LAYOUTS[1:]:
             every = {slot: layout for slot, t in tensor_slots(first.args) if applies(t, layout)}
-            yield from _params(entry, first, every, f"all-{layout}", slow=False)
+            yield from _params(entry, first, every, f"all-{layout}", slow=False, first=True)
         for sample in samples:
             for slot, t in tensor_slots(sample.args):
                 for layout in (layout for layout in LAYOUTS[1:] if applies(t, layout)):
-                    yield from _params(entry, sample, {slot: layout}, f"{slot}-{layout}", slow=True)
+                    label = f"{slot}-{layout}"
+                    yield from _params(entry, sample, {slot: layout}, label, slow=True, first=False)
 
 
 def gpu_cases() -> list[FusedOp]:

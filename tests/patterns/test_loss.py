@@ -154,6 +154,7 @@ def label_smoothed_log_likelihood(lprobs, target, epsilon):
 
 
 @pytest.mark.parametrize("spelling", sorted(FAIRSEQ_SPELLINGS))
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_fairseq_label_smoothed_loss_through_views_of_the_rows(spelling):
     check_fusion(
         FAIRSEQ_SPELLINGS[spelling], sequence_logits(pad=1), counts={"loss": 2, "pointwise": 0}
@@ -356,6 +357,7 @@ class TargetViewHead(nn.Module):
 @pytest.mark.parametrize("chunk", [1, 5, 0])
 @pytest.mark.parametrize("spelling", sorted(TARGET_VIEWS))
 @pytest.mark.kernels("cross_entropy:forward_grad")
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_a_linear_and_loss_over_a_strided_view_of_the_targets(impl, spelling, chunk):
     torch.manual_seed(0)
     hidden = torch.randn(ROWS, WIDTH).requires_grad_()
@@ -500,6 +502,7 @@ ROW_VIEWS = {
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("spelling", sorted(ROW_VIEWS))
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_log_softmax_then_a_reshape_of_the_rows_then_nll_loss(spelling, reduction):
     def loss(x, t):
         lprobs, target = ROW_VIEWS[spelling](F.log_softmax(x, -1), t)
@@ -538,6 +541,7 @@ CLASSES_ON_DIM_1 = {
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("spelling", sorted(CLASSES_ON_DIM_1))
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_classes_on_dim_1_as_a_transposed_view_fuse(spelling, reduction):
     """(B, V, T) logits that are a transpose of (B, T, V) ones: the rows are a view."""
 
