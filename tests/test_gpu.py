@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TOLERANCES
 
 import seqcompile
@@ -81,6 +82,44 @@ def test_inductor_launches_the_kernels_and_they_compute_what_the_op_calls_do(mon
     torch.testing.assert_close(loss, want_loss, **TOLERANCES[torch.float32])
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_sdpa_attention_runs_the_vendor_under_inductor_and_matches_eager(dynamic):
+    """A causal SDPA attention with grouped heads, bf16, compiled under Inductor with the vendor
+    forced: SDPA's flash ops inlined into the graphs Inductor compiles, the output and every
+    gradient as eager's; at symbolic sizes too, a second length with no second compile."""
+
+    def attention(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.float().square().mean()
+
+    options = {"implementations": {"attention": "vendor"}}
+    compiled = torch.compile(attention, backend="seqfast", options=options)
+    for length, compiles in ((256, 1), (320, 0 if dynamic else 1)):
+        g = torch.Generator(device=cuda).manual_seed(length)
+        q, k, v = (
+            torch.randn(2, heads, length, 64, device=cuda, generator=g)
+            .to(torch.bfloat16)
+            .requires_grad_()
+            for heads in (8, 2, 2)
+        )
+        for t in (q, k, v) if dynamic else ():
+            torch._dynamo.mark_dynamic(t, 2)  # (the length; the head dim stays fixed)
+        with collecting() as report:
+            loss = compiled(q, k, v)
+            grads = torch.autograd.grad(loss, (q, k, v))
+        uses = {(u.direction, u.implementation, u.reason) for u in report.implementations}
+        assert len(uses) == 2 * compiles, uses
+        assert all(implementation == "vendor" for _, implementation, _ in uses), uses
+        want = attention(q, k, v)
+        torch.testing.assert_close(loss, want, **TOLERANCES[torch.bfloat16])
+        for got, want_grad in zip(grads, torch.autograd.grad(want, (q, k, v)), strict=True):
+            scale = want_grad.abs().max().float().clamp_min(1.0)
+            torch.testing.assert_close(
+                got.float() / scale, want_grad.float() / scale, **TOLERANCES[torch.bfloat16]
+            )
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("rest", ["inductor", "eager"])
@@ -329,7 +368,6 @@ def test_pointwise_kernels_match_the_reference(dtype):
 def test_loss_kernels_match_eager(dtype, vocab):
     """Cross-entropy (every 5th target ignored, label smoothing) and linear + cross-entropy in
     chunks: loss and every gradient on CUDA against eager on the same inputs."""
-    import torch.nn.functional as F
 
     import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
     import seqcompile.ops.linear_cross_entropy  # noqa: F401
@@ -367,7 +405,6 @@ def test_loss_kernels_on_infinite_logits_and_strided_targets(smoothing):
     target, the first blocks of the vocabulary, a whole row), +inf and NaN, targets read
     through a stride, linear + cross-entropy over a bias that masks classes; eager's loss and
     gradients, NaN and inf in the same places."""
-    import torch.nn.functional as F
 
     import seqcompile.ops.cross_entropy  # noqa: F401  (registers the ops)
     import seqcompile.ops.linear_cross_entropy  # noqa: F401
