@@ -84,6 +84,35 @@ def test_inductor_launches_the_kernels_and_they_compute_what_the_op_calls_do(mon
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
+def test_at_a_dynamic_length_inductor_launches_the_kernels_for_every_length():
+    """The kernels' launches traced at a symbolic sequence length: Inductor launches every
+    kernel call (but those writing over an argument) at two lengths from one compile, and each
+    step matches eager's loss (no dropout: the streams are the kernels' own)."""
+    config = GPTConfig(vocab=512, max_len=256, d_model=256, n_heads=4, n_layers=2, dropout=0.0)
+    families = ("attention", "norm", "loss", "pointwise")
+    options = {"implementations": {family: "kernel" for family in families}}
+    torch.manual_seed(0)
+    model = GPT(config).to(cuda)
+    compiled = torch.compile(model, backend="seqfast", options=options)
+    for length, compiles in ((128, 1), (200, 0)):
+        idx = torch.randint(0, config.vocab, (4, length), device=cuda)
+        torch._dynamo.mark_dynamic(idx, 1)
+        with collecting() as report:
+            loss = compiled(idx, idx)
+            loss.backward()
+        graphs = {u.graph for u in report.implementations}
+        assert len(graphs) == compiles, graphs
+        called = [
+            (u.op, u.reason)
+            for u in report.implementations
+            if u.implementation == "kernel" and "launched by the executor" not in u.reason
+        ]
+        assert all("writes over an argument" in reason for _, reason in called), called
+        torch.testing.assert_close(loss, model(idx, idx), **TOLERANCES[torch.float32])
+        model.zero_grad()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_sdpa_attention_runs_the_vendor_under_inductor_and_matches_eager(dynamic):
     """A causal SDPA attention with grouped heads, bf16, compiled under Inductor with the vendor
