@@ -99,6 +99,7 @@ def softmax_v(s, v):
     ],
     ids=["div", "mul", "scaled_q", "scaled_q_and_k", "unscaled", "einsum", "permute_tensor_div"],
 )
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_written_out_scores(spelling):
     fused(lambda q, k, v: softmax_v(spelling(q, k), v), qkv())
 
@@ -447,6 +448,7 @@ class LearnedFactor(torch.nn.Module):
         "gate_from_a_matmul",
     ],
 )
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
     """A tensor constant along the keys multiplies q, one constant along the queries k: the
     kernel reads them scaled, and autograd takes the factor's gradient from theirs."""
@@ -1141,6 +1143,7 @@ def scores(q, k):
         "times_inf",
     ],
 )
+@pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
     assert forward_kernel_key(report) == kernel_flags(mask=True)
