@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 from benchmarks.common import brief, emit, header, progress, standard_setup, table, timed_ms
-from seqcompile.ops import score_mods
+from seqcompile.ops.attention import score_mods
 
 Tensor = torch.Tensor
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

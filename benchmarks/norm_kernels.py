@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import seqcompile.ops.norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
+import seqcompile.ops.add_norm  # noqa: F401  (registers torch.ops.seqfast.add_norm)
 from benchmarks.common import (
     BANDWIDTH_COLUMNS,
     bandwidth_rows,

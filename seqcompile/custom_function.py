@@ -5,7 +5,7 @@ whose first result the graph then reads. Capture records a Function with one out
 `apply_one(key, *inputs)` instead, a node with a tensor value, its bodies kept here under the key:
 the pointwise fuser can take it into a region when its forward and its own backward are
 element-wise (`patterns/pointwise_ops.py`), and a region's backward is then traced through the
-Function, so the user's backward is what runs (`ops/pointwise_region.py`). Anything else keeps
+Function, so the user's backward is what runs (`ops/pointwise/region.py`). Anything else keeps
 the Function opaque.
 """
 

@@ -223,8 +223,9 @@ def _floating(value: Any) -> bool:
 
 
 def _check_fused_inputs(stage: str, gm: GraphModule) -> None:
-    from seqcompile.ops import pointwise, pointwise_region
+    from seqcompile.ops import pointwise
     from seqcompile.ops.fused_op import Call
+    from seqcompile.ops.pointwise import region as pointwise_region
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not pointwise.ENTRY.forward:

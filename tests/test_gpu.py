@@ -13,10 +13,15 @@ from conftest import TOLERANCES
 
 import seqcompile
 import seqcompile.lower
-import seqcompile.ops.attention as attention_op
-import seqcompile.ops.norm as norm_op
+import seqcompile.ops.attention as attention_entry
 from seqcompile.demo import GPT, GPTConfig, train
-from seqcompile.ops import attention_reference, attention_vendor, norm_reference
+from seqcompile.ops.add_norm import kernels as norm_kernels
+from seqcompile.ops.add_norm import op as norm_op
+from seqcompile.ops.add_norm import reference as norm_reference
+from seqcompile.ops.attention import kernels as attention_kernels
+from seqcompile.ops.attention import op as attention_op
+from seqcompile.ops.attention import reference as attention_reference
+from seqcompile.ops.attention import vendor as attention_vendor
 from seqcompile.ops.fused_op import Call
 from seqcompile.report import collecting
 from seqcompile.run import tuning
@@ -259,16 +264,20 @@ def check_norm_kernels(dtype, width, rms, p):
     branch_bias, weight, bias = (torch.randn(width, device=cuda, generator=g) for _ in range(3))
     bias = None if rms else bias
     seed = torch.tensor(1234, device=cuda)
-    args = (x, residual, branch_bias, weight, bias, seed, 5, p, 1e-5, rms, dtype, torch.float32)
-    kernels = norm_op.forward_kernels(*args)
-    reference = norm_reference.forward(*args)
+    args = dict(
+        Call(norm_op.FORWARD, (x, residual, branch_bias, weight, bias, seed, 5, p, 1e-5, rms, dtype,
+                               torch.float32), {})
+    )  # fmt: skip
+    kernels = norm_kernels.forward(**args)
+    reference = norm_reference.forward(**args)
     for k, r in zip(kernels, reference, strict=True):
         torch.testing.assert_close(k, r, **TOLERANCES[dtype if k.dtype == dtype else torch.float32])
     grad_out = torch.randn_like(kernels[0])
     grad_sum = torch.randn_like(kernels[1])
-    bargs = (grad_out, grad_sum, kernels[1], kernels[2], kernels[3], weight, seed, 5, p, rms, dtype,
-             dtype, None if rms else torch.float32, torch.float32)  # fmt: skip
-    for k, r in zip(norm_op.backward_kernels(*bargs), norm_reference.backward(*bargs), strict=True):
+    saved = (grad_out, grad_sum, kernels[1], kernels[2], kernels[3], weight, seed, 5, p, rms)
+    dtypes = (dtype, dtype, None if rms else torch.float32, torch.float32)
+    bargs = dict(Call(norm_op.BACKWARD, (*saved, *dtypes), {}))
+    for k, r in zip(norm_kernels.backward(**bargs), norm_reference.backward(**bargs), strict=True):
         tol = TOLERANCES[dtype] if k.dim() == 2 else dict(atol=1e-1, rtol=1e-2)
         torch.testing.assert_close(k, r, **tol)
 
@@ -302,7 +311,8 @@ def check_attention_kernels(dtype, head_dim, features):
         q=q, k=k, v=v, bias=bias, mask=mask, seed=seed, stream=3, p=p, scale=head_dim**-0.5,
         causal=features["causal"], masked_value=-math.inf,
     )  # fmt: skip
-    kernels = attention_op.forward_kernels(**args)
+    args = dict(Call(attention_op.FORWARD, (), args))  # the defaults filled in
+    kernels = attention_kernels.forward(**args)
     reference = attention_reference.forward(**args)
     for kernel, ref in zip(kernels, reference, strict=True):
         torch.testing.assert_close(kernel, ref, **TOLERANCES[kernel.dtype])
@@ -310,10 +320,10 @@ def check_attention_kernels(dtype, head_dim, features):
     out, row_max, log_sum = reference
     bargs = dict(
         args, grad_out=grad_out, out=out, row_max=row_max, log_sum=log_sum,
-        bias_grad=bias is not None,
+        bias_grad=bias is not None, rel_grad=False,
     )  # fmt: skip
     for kernel, ref in zip(
-        attention_op.backward_kernels(**bargs), attention_reference.backward(**bargs), strict=True
+        attention_kernels.backward(**bargs), attention_reference.backward(**bargs), strict=True
     ):
         assert kernel.shape == ref.shape
         if ref.numel():  # relative to the gradient's size: sums over up to 517 keys
@@ -336,19 +346,19 @@ def test_the_attention_vendor_matches_the_reference_and_mixes_with_the_kernels(
     k, v = (
         torch.randn(b, kv_heads, length, head_dim, device=cuda, generator=g).to(dtype) for _ in "kv"
     )
-    forward = attention_op.ENTRY.forward
+    forward = attention_entry.ENTRY.forward
     call = Call(forward, (), dict(q=q, k=k, v=v, bias=None, mask=None, seed=None, stream=0,
                                   p=0.0, scale=head_dim**-0.5, causal=causal,
                                   masked_value=-math.inf))  # fmt: skip
     args = {name: call[name] for name in call}
-    assert attention_op.ENTRY.vendor_refusal(call) is None
+    assert attention_entry.ENTRY.vendor_refusal(call) is None
     vendor = attention_op.vendor_forward(**args)
     reference = attention_op.lower_forward(**args)
     for got, want in zip(attention_vendor.compared(vendor), attention_vendor.compared(reference),
                          strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, **TOLERANCES[got.dtype])
     grad_out = torch.randn_like(reference[0])
-    backward = attention_op.ENTRY.backward[0]
+    backward = attention_entry.ENTRY.backward[0]
     for stats in (vendor, reference):
         saved = dict(grad_out=grad_out, out=stats[0], row_max=stats[1], log_sum=stats[2],
                      bias_grad=False)  # fmt: skip
@@ -366,7 +376,7 @@ def test_the_attention_vendor_matches_the_reference_and_mixes_with_the_kernels(
 def test_pointwise_kernels_match_the_reference(dtype):
     """bias + GELU + dropout and SwiGLU on a broadcast bias and a strided operand: forward and
     every gradient of the compiled kernels against the same region on CPU (the reference)."""
-    from seqcompile.ops.pointwise import pointwise
+    from seqcompile.ops.pointwise.op import pointwise
     from seqcompile.patterns.pointwise import region_of_function
 
     def region(x, b, gate):

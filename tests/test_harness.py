@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from seqcompile.codegen import kernel_function
-from seqcompile.ops import norm
+from seqcompile.ops.add_norm import kernels as norm
 
 
 def column_sum():

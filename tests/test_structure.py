@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import seqcompile.patterns.engine as engine
 from seqcompile import structure
-from seqcompile.ops import pointwise_region
+from seqcompile.ops.pointwise import region as pointwise_region
 
 aten = torch.ops.aten
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqcompile import verify
-from seqcompile.ops import cross_entropy, norm_reference
+from seqcompile.ops.add_norm import reference as norm_reference
+from seqcompile.ops.cross_entropy import reference as cross_entropy
 from seqcompile.report import collecting
 
 
@@ -212,12 +213,12 @@ def test_both_runs_get_the_inputs_laid_out_as_given():
 def test_a_site_wrong_only_for_strided_targets_is_found(monkeypatch):
     """A loss that reads its targets as if they were contiguous (a mistake the cross-entropy
     kernels once made) is found when the targets passed in are a column of pairs."""
-    real = cross_entropy.reference_rows
+    real = cross_entropy.forward
 
     def contiguous_targets(logits, target, ignore_index, smoothing):
         return real(logits, target.as_strided(target.shape, (1,)), ignore_index, smoothing)
 
-    monkeypatch.setattr(cross_entropy, "reference_rows", contiguous_targets)
+    monkeypatch.setattr(cross_entropy, "forward", contiguous_targets)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 11, generator=g).requires_grad_()
     targets = torch.randint(11, (6, 2), generator=g)[:, 1]

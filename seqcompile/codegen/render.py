@@ -15,7 +15,12 @@ from seqcompile.codegen.launches import CountedKernel
 from seqcompile.codegen.special_series import SERIES, needs_special
 from seqcompile.run import runtime
 
-_TEMPLATES = Path(__file__).parent / "templates"
+_TEMPLATES = [
+    Path(__file__).parent / "templates",
+    *sorted((Path(__file__).parents[1] / "ops").glob("*/templates")),
+]
+"""Where templates are found by name: the pieces every operator shares here, each operator's own
+in its folder (`ops/<operator>/templates/`)."""
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(_TEMPLATES),
     undefined=jinja2.StrictUndefined,

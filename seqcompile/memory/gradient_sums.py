@@ -26,9 +26,9 @@ from seqcompile.fx_utils import (
     source_meta,
     tensor_val,
 )
-from seqcompile.ops import pointwise as pointwise_op
-from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.fused_op import Call
+from seqcompile.ops.pointwise import reference as pointwise_reference
+from seqcompile.ops.pointwise import region as regions
 
 aten = torch.ops.aten
 BACKWARD = torch.ops.seqfast.pointwise_backward.default
@@ -157,7 +157,7 @@ def _output_dtypes(before, after, moved, dtypes, grads, folded, new_written) -> 
 
 
 def _code(node: Node) -> int:
-    return pointwise_op.DTYPE_CODES.index(tensor_val(node).dtype)
+    return pointwise_reference.DTYPE_CODES.index(tensor_val(node).dtype)
 
 
 def _sum_nodes(tops) -> list[Node]:

@@ -18,8 +18,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.fx_utils import insert_call, insert_getitem, source_meta
+from seqcompile.ops.add_norm.reference import has_prologue
 from seqcompile.ops.fused_op import Call
-from seqcompile.ops.norm_reference import has_prologue
 
 _ADD_NORM = torch.ops.seqfast.add_norm.default
 _OUT, _SUM = 0, 1

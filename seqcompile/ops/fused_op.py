@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -119,6 +120,32 @@ def named(op: OpOverload) -> Callable[[Callable[[Call], R]], Callable[..., R]]:
     return wrap
 
 
+def schema(*arguments: str, returns: str) -> str:
+    """A custom op's schema from runs of its arguments in torch's schema language (`"Tensor q,
+    int window=0"`), in their order, except that every argument with a default moves after those
+    without (the schema's rule): an op that takes another's arguments and more (a backward) names
+    that run once instead of retyping it."""
+    pieces = [a.strip() for run in arguments for a in run.split(",") if a.strip()]
+    required = [a for a in pieces if "=" not in a]
+    defaulted = [a for a in pieces if "=" in a]
+    return f"({', '.join(required + defaulted)}) -> {returns}"
+
+
+def define(
+    name: str, signature: str, run: Callable[[Call], R], *, mutates: tuple[str, ...] = ()
+) -> Any:
+    """The custom op `name` (`"seqfast::attention"`) of schema `signature`, each call running
+    `run` on the `Call` of its arguments by name; a `torch.library.CustomOpDef`, for its fake
+    implementation and autograd."""
+
+    def op(*args: Any, **kwargs: Any) -> R:
+        return run(Call(defined._opoverload, args, kwargs))
+
+    op.__name__ = name.split("::")[1]
+    defined = torch.library.custom_op(name, op, mutates_args=mutates, schema=signature)
+    return defined
+
+
 def _check_names(op: OpOverload, arguments: Mapping[str, Any]) -> None:
     unknown = arguments.keys() - {a.name for a in op._schema.arguments}
     if unknown:
@@ -194,11 +221,9 @@ class FusedOp:
     saves: str
     """What the forward keeps for the backward, in words (the op's autograd saves it); the
     report says it for each operator a compile launches."""
-    samples: Callable[[], Iterable[Sample]]
-    """The forward's sample inputs, each with the eager composition that defines its answer
-    (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
-    `tests/ops/test_samples.py` runs each in every layout on every path, and the reference on
-    each."""
+    package: str
+    """The operator's folder as a package (`seqcompile.ops.attention`), which holds its parts
+    (`docs/design.md`, "One folder per operator")."""
     benchmark: str
     """The module under `benchmarks/` that times its kernels against eager and Inductor
     (`python -m <module>`; `tests/test_benchmarks.py` runs it at toy sizes)."""
@@ -234,6 +259,13 @@ class FusedOp:
     compared: Mapping[OpOverload, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
     """For an op whose results two correct implementations may give differently: what of them
     they must agree on (attention's row statistics, of which only the sum is defined)."""
+
+    def samples(self) -> Iterable[Sample]:
+        """The forward's sample inputs, each with the eager composition that defines its answer
+        (`ops/samples.py`): sizes 0, 1 and odd in every dimension, non-finite values, masked rows;
+        `tests/ops/test_samples.py` runs each in every layout on every path, and the reference on
+        each. Read from the folder's `samples.py`, imported only when asked for."""
+        return importlib.import_module(f"{self.package}.samples").samples()
 
     @property
     def implementations(self) -> tuple[str, ...]:

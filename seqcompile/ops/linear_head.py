@@ -11,6 +11,7 @@ parameters' buffers.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 from torch._ops import OpOverload
@@ -19,6 +20,17 @@ from torch.fx import Graph, Node
 import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
 from seqcompile.fx_utils import concrete
 from seqcompile.ops.fused_op import Call, gradients, named, needs_grad
+from seqcompile.ops.sharding import (
+    NoSharding,
+    Partial,
+    Shape,
+    Shard,
+    Strategy,
+    placed,
+    row_dims,
+    shape_of,
+    shards,
+)
 
 Tensor = torch.Tensor
 GRADIENTS = ("hidden", "weight", "bias")
@@ -209,3 +221,17 @@ def accumulate(graph: Graph, buffer: Node, call: Node, output: int) -> bool:
             user.replace_all_uses_with(alone)
             graph.erase_node(user)
     return True
+
+
+@shards("the forward's gradients as it placed them")
+def backward_sharding(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
+    """The forward's gradients scaled by the loss's (replicated) gradient: placed as they are."""
+    if shape_of(call["dhidden"]) == (0,):
+        raise NoSharding("it makes no gradient of the hidden states")
+    options = []
+    for d in row_dims(call, "dhidden"):
+        grads = [Shard(d), placed(shape_of(call["dweight"]), Partial()),
+                 placed(shape_of(call["dbias"]), Partial())]  # fmt: skip
+        scaled = dict(zip(("dhidden", "dweight", "dbias"), grads, strict=True))
+        options.append(Strategy(grads, scaled))
+    return options

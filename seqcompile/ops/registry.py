@@ -1,7 +1,8 @@
-"""The registry of fused operators: one `FusedOp` entry per operator, declared next to the operator
-it describes. Every stage asks here what it needs to know about a fused op's call (its kernels,
-cost, workspace, in-place twin, accumulation hook) and reads the call's arguments by name; the
-families, the report and the tests' and benchmarks' lists of operators are derived from here."""
+"""The registry of fused operators: one `FusedOp` entry per operator, declared in the operator's
+folder (`ops/<operator>/__init__.py`). Every stage asks here what it needs to know about a fused
+op's call (its kernels, cost, workspace, in-place twin, accumulation hook) and reads the call's
+arguments by name; the families, the report and the tests' and benchmarks' lists of operators
+are derived from here."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from torch.fx import Node
 
 from seqcompile.codegen import KernelSpec
 from seqcompile.ops import (
+    add_norm,
     attention,
     cross_entropy,
     linear_cross_entropy,
     linear_row_loss,
-    norm,
     pointwise,
     sharding,
     soft_cross_entropy,
@@ -25,7 +26,7 @@ from seqcompile.ops.fused_op import IMPLEMENTATIONS, Call, FusedOp
 
 ENTRIES: tuple[FusedOp, ...] = (
     attention.ENTRY,
-    norm.ENTRY,
+    add_norm.ENTRY,
     cross_entropy.ENTRY,
     linear_cross_entropy.ENTRY,
     linear_row_loss.ENTRY,

@@ -2,8 +2,8 @@
 an op by argument name with the eager composition that defines its right answer, and `in_layout`
 turns a contiguous tensor into each memory layout a caller may pass, so one sample yields all.
 
-The samples of each operator live in `samples_<operator>.py` and reach the registry as the entry's
-`samples`; `tests/ops/test_samples.py` runs every one on every path.
+The samples of each operator live in its folder's `samples.py`, which the entry's `samples()`
+imports when a test or a sweep asks; `tests/ops/test_samples.py` runs every one on every path.
 """
 
 from __future__ import annotations

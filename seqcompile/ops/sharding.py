@@ -255,3 +255,33 @@ def _output_shapes(op: OpOverload, call: Call) -> list[Shape]:
         arguments = pytree.tree_map(fake, call.arguments(), is_leaf=is_spec)
         result = op(*arguments)
     return [tuple(t.shape) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+
+
+ROWS = "rows (any dimension but the last, which it normalizes)"
+DROPOUT = "it draws dropout: every shard would draw the same mask from the one seed"
+
+
+def row_dims(call: Call, name: str) -> range:
+    """The dimensions of argument `name` that index rows: all but the last."""
+    return range(len(shape_of(call[name])) - 1)
+
+
+def no_dropout(call: Call) -> None:
+    """`NoSharding` for a call that draws dropout."""
+    if call["seed"] is not None and call["p"] > 0:
+        raise NoSharding(DROPOUT)
+
+
+def rows_everywhere(anchor: str) -> Rule:
+    """The rule of an op whose every tensor, argument and output, holds one entry per row of
+    argument `anchor` (the cross-entropies and their backward ops: the logits)."""
+
+    @shards("rows (any dimension but the last, the classes)")
+    def rule(call: Call, outputs: Sequence[Shape]) -> list[Strategy]:
+        tensors = [name for name in call if is_spec(call[name])]
+        return [
+            Strategy([placed(s, Shard(d)) for s in outputs], {n: Shard(d) for n in tensors})
+            for d in row_dims(call, anchor)
+        ]
+
+    return rule

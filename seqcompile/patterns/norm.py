@@ -33,12 +33,13 @@ from seqcompile.fx_utils import (
     site_name,
     tensor_val,
 )
-from seqcompile.ops import norm as norm_op
+from seqcompile.ops import add_norm
+from seqcompile.ops.add_norm import op as norm_op
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.run import runtime
 
 aten = torch.ops.aten
-FAMILY = norm_op.ENTRY.family
+FAMILY = add_norm.ENTRY.family
 
 
 @dataclasses.dataclass
@@ -287,7 +288,7 @@ def _rewrite(
             sum_dtype = tensor_val(prologue.total or core.input).dtype
             eps = core.eps if core.eps is not None else torch.finfo(torch.float32).eps
             fused = ctx.call_fused(
-                norm_op.ENTRY.forward,
+                add_norm.ENTRY.forward,
                 x=x,
                 residual=prologue.residual,
                 branch_bias=prologue.branch_bias,

@@ -1,6 +1,6 @@
 """The pointwise region fuser, the fuse stage's last pass: every maximal connected region of
 supported element-wise ops of one shape becomes one `seqfast::pointwise` call whose kernels are
-generated from the region (see `ops/pointwise.py`). A linear's bias feeding a region is moved into
+generated from the region (see `ops/pointwise/`). A linear's bias feeding a region is moved into
 it, so the matmul runs without its epilogue. A region whose value is read outside it before its
 last op is computed ahead of that read, or split there where it reads a value made after the read.
 Unsupported element-wise ops next to a region are reported with the reason the region ends there.
@@ -29,8 +29,9 @@ from seqcompile.fx_utils import (
 )
 from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
-from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.fused_op import by_name
+from seqcompile.ops.pointwise import kernels as pointwise_kernels
+from seqcompile.ops.pointwise import region as regions
 from seqcompile.patterns.engine import (
     FuseContext,
     ReadingFailed,
@@ -359,7 +360,7 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
     try:
         region = cut.register()
         # rendered now, so an op the printer lacks refuses the region rather than fail later
-        pointwise_op.compile_time_specs(region, values, needs_grad if ctx.training else None)
+        pointwise_kernels.compile_time_specs(region, values, needs_grad if ctx.training else None)
     except (regions.UnsupportedRegion, Unprintable) as error:
         return Reject("{}", error)
     op, seed = pointwise_op.ENTRY.forward, SEED_STAND_IN if dropouts else None

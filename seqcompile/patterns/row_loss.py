@@ -7,9 +7,9 @@ never built whole.
 The site is anchored at the linear. Its *region* is every node computed from its output; it must
 end in one scalar, the loss, that nothing else in the region reads. The region is traced to core
 ATen and read by `row_loss_split`, whose refusal names the op that stops it; the loss's joint
-(chunk terms and their gradient) is traced from what it reads (`ops/row_loss.py`). Where the
-region holds a plain cross-entropy of the logits (scaled after it or not, as with the Trainer's
-`num_items_in_batch`), `seqfast::linear_cross_entropy` (with its kernel) takes it.
+(chunk terms and their gradient) is traced from what it reads (`ops/linear_row_loss/program.py`).
+Where the region holds a plain cross-entropy of the logits (scaled after it or not, as with the
+Trainer's `num_items_in_batch`), `seqfast::linear_cross_entropy` (with its kernel) takes it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from seqcompile.fx_utils import (
     tensor_val,
     val,
 )
-from seqcompile.ops import linear_row_loss, row_loss
+from seqcompile.ops.linear_row_loss import op as linear_row_loss
+from seqcompile.ops.linear_row_loss import program as row_loss
 from seqcompile.patterns import loss as loss_family
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.pointwise_ops import element_wise

@@ -197,7 +197,7 @@ COMPILE = textwrap.dedent(
 
 NORM = textwrap.dedent(
     """
-    from seqcompile.ops import norm
+    from seqcompile.ops.add_norm import kernels as norm
 
     for rms, on in itertools.product([False, True], [False, True]):
         flags = dict(branch_bias=on, dropout=on, weight=on, bias=on and not rms)
@@ -213,7 +213,8 @@ NORM = textwrap.dedent(
 ATTENTION = textwrap.dedent(
     """
     import torch
-    from seqcompile.ops import attention, score_mods
+    from seqcompile.ops.attention import kernels as attention
+    from seqcompile.ops.attention import score_mods
 
     capped = score_mods.register(lambda x: 30.0 * torch.tanh(x / 30.0), "cap")
     CAP = score_mods.lookup(capped).kernel
@@ -257,7 +258,7 @@ POINTWISE = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from seqcompile.ops import pointwise
+    from seqcompile.ops.pointwise import kernels as pointwise
     from seqcompile.patterns.pointwise import region_of_function
 
     def compile_pointwise(spec, pointers):
@@ -319,7 +320,7 @@ POINTWISE = textwrap.dedent(
 
 CROSS_ENTROPY = textwrap.dedent(
     """
-    from seqcompile.ops import cross_entropy
+    from seqcompile.ops.cross_entropy import kernels as cross_entropy
 
     fn = kernel_function(cross_entropy.spec("forward_grad", 0.0)).jit
     sig = {name: "i32" if name.endswith("_stride") else "*fp32" for name in fn.arg_names}

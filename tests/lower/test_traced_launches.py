@@ -23,7 +23,8 @@ from seqcompile.codegen.launches import tracing_launches
 from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.lower import traced_launches
 from seqcompile.lower.executor import Executor
-from seqcompile.ops import norm, registry
+from seqcompile.ops import registry
+from seqcompile.ops.add_norm import kernels as norm
 from seqcompile.run import tuning
 from seqcompile.run.tuning import Config
 
@@ -89,7 +90,7 @@ def test_traced_launches_run_what_the_op_calls_run(interpret, monkeypatch):
 
 @pytest.mark.kernels("add_norm_fwd", "add_norm_bwd")
 def test_a_call_whose_launches_do_not_trace_is_called_with_the_reason(interpret, monkeypatch):
-    forward_kernels = norm.forward_kernels
+    forward_kernels = norm.forward
 
     def reads_the_host(**arguments):
         x = arguments["x"]
@@ -97,7 +98,7 @@ def test_a_call_whose_launches_do_not_trace_is_called_with_the_reason(interpret,
             raise AssertionError("unreachable")
         return forward_kernels(**arguments)
 
-    monkeypatch.setattr(norm, "forward_kernels", reads_the_host)
+    monkeypatch.setattr(norm, "forward", reads_the_host)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
     x = torch.randn(4, 16)
     compiled = torch.compile(model, backend="seqfast", options={"rest": "eager"})
@@ -143,14 +144,14 @@ def test_at_symbolic_sizes_one_compile_launches_the_kernels_at_every_length(inte
 def test_a_launcher_that_reads_a_symbolic_sizes_value_is_called(interpret, monkeypatch):
     """A launcher deciding by a size's exact value would fix the compile to that size: it stays
     a call, and the compile keeps serving other sizes."""
-    forward_kernels = norm.forward_kernels
+    forward_kernels = norm.forward
 
     def by_the_row_count(**arguments):
         if int(arguments["x"].shape[0]) < 0:  # an exact value (its guard would fix the size)
             raise AssertionError("unreachable")
         return forward_kernels(**arguments)
 
-    monkeypatch.setattr(norm, "forward_kernels", by_the_row_count)
+    monkeypatch.setattr(norm, "forward", by_the_row_count)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
     compiled = torch.compile(model, backend="seqfast", dynamic=True, options={"rest": "eager"})
     with report.collecting() as seen, torch.no_grad():
@@ -227,7 +228,8 @@ ANALYSIS = textwrap.dedent(
     from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
     from triton.backends.compiler import GPUTarget
     from seqcompile.lower import traced_launches
-    from seqcompile.ops import cross_entropy, registry
+    from seqcompile.ops import registry
+    from seqcompile.ops.cross_entropy import reference as cross_entropy
     from seqcompile.ops.samples import replace_slots, tensor_slots
 
     class Sm90:  # Triton's driver where only the target is asked: the analysis compiles for it

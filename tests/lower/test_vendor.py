@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from seqcompile import report
 from seqcompile.lower import choice
 from seqcompile.lower.measure import Measurer
-from seqcompile.ops import attention_vendor, registry
+from seqcompile.ops import registry
+from seqcompile.ops.attention import vendor as attention_vendor
 
 
 class Timer:

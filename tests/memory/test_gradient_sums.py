@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.memory.gradient_sums import fold_gradient_sums
-from seqcompile.ops import pointwise_region as regions
 from seqcompile.ops.fused_op import Call
+from seqcompile.ops.pointwise import region as regions
 from seqcompile.patterns.pointwise import region_of_function
 
 SHAPE = (3, 5)

@@ -13,7 +13,7 @@ from conftest import TOLERANCES
 
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
-from seqcompile.ops import score_mods
+from seqcompile.ops.attention import score_mods
 from seqcompile.ops.random import keep_mask_by_rows
 
 attention = torch.ops.seqfast.attention

@@ -1,4 +1,4 @@
-"""Attention's vendor implementation (`ops/attention_vendor.py`): what it refuses and why, that
+"""Attention's vendor implementation (`ops/attention/vendor.py`): what it refuses and why, that
 its row statistics mix with the other implementations' in either direction, and that its CUDA
 bodies trace at fake CUDA values to SDPA's flash ops with the layouts the op's fake
 implementation promises (their numbers are checked in the GPU tier; on CPU the sample sweep runs
@@ -14,7 +14,9 @@ from conftest import TOLERANCES
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from seqcompile.ops import attention, attention_vendor, registry
+from seqcompile.ops import registry
+from seqcompile.ops.attention import op as attention
+from seqcompile.ops.attention import vendor as attention_vendor
 from seqcompile.ops.fused_op import Call
 
 ENTRY = registry.entry_named("attention")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import seqcompile.ops.linear_cross_entropy  # noqa: F401  (registers the op)
-from seqcompile.ops import cross_entropy as ce
+from seqcompile.ops.cross_entropy import kernels as ce_kernels
 from seqcompile.ops.linear_head import default_chunk
 
 IGNORE = -100
@@ -113,10 +113,11 @@ def test_the_backward_reads_lse_and_incoming_gradients_through_their_strides(imp
     logits = logits.detach()
     _, lse = torch.ops.seqfast.cross_entropy(logits, target, IGNORE, 0.1)
     grad = torch.randn(5, generator=torch.Generator().manual_seed(2))
-    expected = torch.ops.seqfast.cross_entropy_backward(grad, logits, target, lse, IGNORE, 0.1)
+    arguments = dict(logits=logits, target=target, ignore_index=IGNORE, smoothing=0.1)
+    expected = torch.ops.seqfast.cross_entropy_backward(grad=grad, lse=lse, **arguments)
     got = torch.ops.seqfast.cross_entropy_backward(
-        in_layout(grad, "step"), logits, in_layout(target, "column"), in_layout(lse, "offset"),
-        IGNORE, 0.1,
+        grad=in_layout(grad, "step"), lse=in_layout(lse, "offset"),
+        **{**arguments, "target": in_layout(target, "column")},
     )  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -168,7 +169,7 @@ def test_infinite_and_nan_logits_give_eager_loss_and_gradient(impl, smoothing):
 def test_a_block_of_the_vocabulary_that_is_all_minus_inf(impl, smoothing, monkeypatch):
     """The online log-sum-exp meets a block whose maximum is -inf (the first, or the first two)
     before any finite logit."""
-    monkeypatch.setattr(ce, "MAX_BLOCK_V", 16)
+    monkeypatch.setattr(ce_kernels, "MAX_BLOCK_V", 16)
     logits, target = logits_and_targets(3, 40, ignored=())
     x = logits.detach()
     x[0, :16] = -INF
@@ -187,9 +188,10 @@ def test_the_in_place_backward_writes_what_the_backward_returns(impl, layout):
     logits = logits.detach()
     _, lse = torch.ops.seqfast.cross_entropy(logits, target, IGNORE, 0.1)
     grad = torch.randn(5, generator=torch.Generator().manual_seed(2))
-    expected = torch.ops.seqfast.cross_entropy_backward(grad, logits, target, lse, IGNORE, 0.1)
+    arguments = dict(grad=grad, target=target, lse=lse, ignore_index=IGNORE, smoothing=0.1)
+    expected = torch.ops.seqfast.cross_entropy_backward(logits=logits, **arguments)
     over = logits.clone() if layout == "contiguous" else logits.t().contiguous().t()
-    torch.ops.seqfast.cross_entropy_backward_in_place(grad, over, target, lse, IGNORE, 0.1)
+    torch.ops.seqfast.cross_entropy_backward_in_place(logits=over, **arguments)
     assert over.dtype == torch.bfloat16
     torch.testing.assert_close(over, expected, rtol=0, atol=0)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TOLERANCES
 
-import seqcompile.ops.norm  # noqa: F401  (registers the op)
+import seqcompile.ops.add_norm  # noqa: F401  (registers the op)
 from seqcompile.ops.random import keep_mask_by_rows
 
 add_norm = torch.ops.seqfast.add_norm

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TOLERANCES
 
-from seqcompile.ops import pointwise_region as regions
-from seqcompile.ops.pointwise import compile_time_specs  # (also registers the op)
+from seqcompile.ops.pointwise import region as regions
+from seqcompile.ops.pointwise.kernels import compile_time_specs  # (also registers the op)
 from seqcompile.ops.random import keep_mask
 from seqcompile.patterns.pointwise import region_of_function
 

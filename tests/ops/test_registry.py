@@ -2,8 +2,12 @@
 fused call launches, its FLOPs, its workspace, its in-place twin, its accumulation hook) is read
 from one entry, and the stages agree with it."""
 
+import ast
+import importlib
 import importlib.util
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -212,7 +216,6 @@ def test_every_entry_names_its_ops_and_kernels():
         assert all(op in entry.lowering for op in entry.ops), f"{entry.name}: a lowering per op"
         assert all(registry.entry_of(op) is entry for op in entry.ops)
         assert entry.saves and entry.reference is not None
-        assert entry.samples is not None, f"{entry.name} declares no sample inputs"
     assert registry.entry_of(torch.ops.aten.add.Tensor) is None
 
 
@@ -267,3 +270,64 @@ def test_the_design_docs_registry_table_names_every_entry_and_its_family():
     text = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
     for entry in registry.ENTRIES:
         assert f"| `{entry.name}` | {entry.family} |" in text, entry.name
+
+
+OPS = Path(registry.__file__).parent
+PARTS = ("__init__.py", "op.py", "reference.py", "sharding.py", "samples.py")
+"""What every operator's folder holds (`docs/design.md`, "One folder per operator")."""
+
+
+def test_every_operator_is_one_folder_with_the_same_parts():
+    folders = {path.parent.name for path in OPS.glob("*/__init__.py")}
+    assert folders == {entry.name for entry in registry.ENTRIES}, (
+        "a folder with no entry, or the reverse"
+    )
+    for entry in registry.ENTRIES:
+        assert entry.package == f"seqcompile.ops.{entry.name}"
+        assert importlib.import_module(entry.package).ENTRY is entry
+        missing = [part for part in PARTS if not (OPS / entry.name / part).exists()]
+        assert not missing, f"{entry.name} lacks {missing}"
+        assert callable(importlib.import_module(f"{entry.package}.samples").samples)
+
+
+def test_each_template_lives_in_one_folder():
+    """An operator's templates sit in its folder, the pieces operators share in
+    `codegen/templates/`; the renderer finds them by name, so no two may share one."""
+    names = [path.name for path in OPS.parent.rglob("*.py.jinja")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_a_compile_loads_no_samples():
+    """Samples are test data: the registry imports none; `FusedOp.samples()` imports them."""
+    script = (
+        "import sys, seqcompile.backend\n"
+        "loaded = [m for m in sys.modules if m.startswith('seqcompile.ops.') and"
+        " m.endswith('.samples') and m != 'seqcompile.ops.samples']\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def _parameters(path: Path) -> list[tuple[str, set[str]]]:
+    """Each function defined in the file at `path` (nested ones too): its name and line, and the
+    names of its parameters."""
+    functions = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            functions.append((f"{path.name}:{node.lineno} {node.name}", {a.arg for a in arguments}))
+    return functions
+
+
+def test_no_function_retypes_an_ops_parameter_list():
+    """An op's arguments are written once, in its schema: no function of the operators' folders
+    or of the modules they share takes every argument of an op as a named parameter. Ops of six
+    arguments or fewer are let be (the cross-entropy's list reads at a glance)."""
+    functions = [f for path in OPS.rglob("*.py") for f in _parameters(path)]
+    for entry in registry.ENTRIES:
+        for op in entry.ops:
+            names = {argument.name for argument in op._schema.arguments}
+            if len(names) <= 6:
+                continue
+            retyped = [where for where, parameters in functions if names <= parameters]
+            assert not retyped, f"{op} is retyped by {retyped}"

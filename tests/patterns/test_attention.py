@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from checks import attention_flags, check_fusion, kernel_flags
 
 from seqcompile.memory.saved import saved_tensors
-from seqcompile.ops.attention import key_blocks, visible_pairs
-from seqcompile.ops.attention_reference import diagonal_keep
+from seqcompile.ops.attention.cost import key_blocks, visible_pairs
+from seqcompile.ops.attention.reference import diagonal_keep
 from seqcompile.report import collecting
 
 B, H, LQ, LK, D = 2, 2, 5, 7, 8

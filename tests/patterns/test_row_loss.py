@@ -13,7 +13,7 @@ from torch import nn
 
 from seqcompile.memory.live_bytes import measure_step
 from seqcompile.memory.saved import saved_bytes
-from seqcompile.ops import samples_row_loss as losses
+from seqcompile.ops.linear_row_loss import samples as losses
 from seqcompile.patterns.row_loss import program_of_function
 from seqcompile.patterns.row_loss_split import NotRowWise
 from seqcompile.report import collecting

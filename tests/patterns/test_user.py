@@ -9,7 +9,7 @@ from conftest import assert_close
 
 import seqcompile
 from seqcompile.backend import seqfast
-from seqcompile.ops import pointwise_region
+from seqcompile.ops.pointwise import region as pointwise_region
 from seqcompile.report import collecting
 
 

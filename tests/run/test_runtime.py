@@ -34,7 +34,7 @@ def test_interpreter_requested_after_triton_was_imported_says_what_to_do():
     script = textwrap.dedent(
         """
         import torch, torch._dynamo  # imports Triton without its interpreter
-        import seqcompile.ops.norm
+        import seqcompile.ops.add_norm
         x = torch.randn(2, 8)
         try:
             torch.ops.seqfast.add_norm(x, None, None, None, None, None, 0, 0.0, 1e-5, True,

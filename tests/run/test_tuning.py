@@ -11,7 +11,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from seqcompile.codegen import KernelSpec
-from seqcompile.ops import attention_configs, norm
+from seqcompile.ops.add_norm import kernels as norm
+from seqcompile.ops.attention import configs as attention_configs
 from seqcompile.run import tuning
 from seqcompile.run.tuning import Config
 

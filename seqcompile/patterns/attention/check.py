@@ -9,8 +9,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import barrier_between, node_order, tensor_val
-from seqcompile.ops import attention as attention_op
-from seqcompile.ops.attention_layout import Layout, broadcasts_to
+from seqcompile.ops.attention import op as attention_op
+from seqcompile.ops.attention.layout import Layout, broadcasts_to
 from seqcompile.patterns.attention.links import same_batch
 from seqcompile.patterns.attention.readings import Site
 from seqcompile.patterns.engine import Reject

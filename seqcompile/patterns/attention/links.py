@@ -14,7 +14,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import RESHAPES, arg, describe, is_call, tensor_val
-from seqcompile.ops.attention_layout import broadcasts_to
+from seqcompile.ops.attention.layout import broadcasts_to
 from seqcompile.patterns.attention.claims import FillClaim, read_as_is
 from seqcompile.patterns.attention.index_masks import WHERE, HalfPlane, every_row_keeps, whole_slice
 from seqcompile.patterns.attention.masks import (

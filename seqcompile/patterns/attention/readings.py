@@ -158,7 +158,8 @@ class Site:
     """The last element-wise modification of the scores before the biases and masks (a `tanh`),
     with the factor the scales after it apply."""
     score_mod: str = ""
-    """The registered modification the kernel applies to `q @ k^T * scale` (`ops/score_mods.py`)."""
+    """The registered modification the kernel applies to `q @ k^T * scale`
+    (`ops/attention/score_mods.py`)."""
     documents: Documents | None = None
     """Query and key document ids whose equality the kernel tests (a packed batch's mask)."""
     relative: list[tuple[RelativeBias, float]] = dataclasses.field(default_factory=list)

@@ -1,8 +1,8 @@
 """Element-wise modifications of attention scores as models write them between `q @ k^T` and the
 biases and masks: `50 * tanh(s / 50)` (Gemma 2, Grok), `s.clamp(-c, c)`, `sigmoid`, any pointwise
 op whose other operands are constants. The chain of such ops from the product up to the last one
-is run again on a stand-in to register the function (`ops/score_mods.py`), which the attention
-kernels compute in place of the chain, with its derivative in the backward.
+is run again on a stand-in to register the function (`ops/attention/score_mods.py`), which the
+attention kernels compute in place of the chain, with its derivative in the backward.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch.fx import Node
 
 from seqcompile.fx_utils import tensor_val
-from seqcompile.ops import score_mods
-from seqcompile.ops.pointwise_region import UnsupportedRegion
+from seqcompile.ops.attention import score_mods
+from seqcompile.ops.pointwise.region import UnsupportedRegion
 from seqcompile.patterns.attention.masks import constant
 from seqcompile.patterns.engine import Reject
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from seqcompile.ops import score_mods
+from seqcompile.ops.attention import score_mods
 from seqcompile.ops.random import keep_mask_by_rows
 
 Tensor = torch.Tensor
@@ -143,11 +143,9 @@ def dropout_scale(
     return keep.float() / (1.0 - p)
 
 
-def forward(
-    *, q, k, v, bias, mask, seed, stream, p, scale, causal, masked_value, window=0, score_mod="",
-    doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
-):  # fmt: skip
-    s, _, _ = scores(**locals())
+def forward(*, q: Tensor, v: Tensor, seed, stream, p, **others) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward on the op's arguments by name (`others`: those only `scores` reads)."""
+    s, _, _ = scores(q=q, **others)
     row_max, log_sum = row_statistics(s)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
@@ -170,12 +168,17 @@ def sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.view(b, kv_heads, h // kv_heads, length, d).sum(2)
 
 
-def backward(
-    *, grad_out, q, k, v, out, row_max, log_sum, bias, mask, seed, stream, p, scale, causal,
-    masked_value, bias_grad, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
-    rel_grad=False, prefix=None,
-):  # fmt: skip
-    s, attend, slope = scores(**locals())
+def backward(*, q: Tensor, k: Tensor, v: Tensor, **others) -> tuple[Tensor, ...]:
+    """The backward on the op's arguments by name."""
+    s, attend, slope = scores(q=q, k=k, **others)
+    grad_out, out, row_max, log_sum, seed, stream, p, scale, bias, rel_bias = (
+        others[name]
+        for name in (
+            "grad_out", "out", "row_max", "log_sum", "seed", "stream", "p", "scale", "bias",
+            "rel_bias",
+        )
+    )  # fmt: skip
+    bias_grad, rel_grad = others["bias_grad"], others["rel_grad"]
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     dropped = prob if drop is None else prob * drop

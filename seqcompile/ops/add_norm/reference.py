@@ -26,8 +26,11 @@ def needs_residual_grad(p: float, x_dtype: torch.dtype, residual_dtype: torch.dt
     return p > 0 or x_dtype != residual_dtype
 
 
-def grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p):
-    """(shape, dtype) of each output of the backward; shape (0,) marks an absent one."""
+def grad_shapes(
+    *, saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p, **_
+) -> tuple:
+    """(shape, dtype) of each output of the backward, from its arguments by name; shape (0,) marks
+    an absent one."""
     n = saved.shape[-1]
     residual_grad = residual_dtype is not None and needs_residual_grad(p, x_dtype, residual_dtype)
     return (
@@ -39,15 +42,8 @@ def grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_
     )
 
 
-def _sum(
-    x: Tensor,
-    residual: Tensor | None,
-    branch_bias: Tensor | None,
-    seed: Tensor | None,
-    stream: int,
-    p: float,
-    sum_dtype: torch.dtype,
-) -> Tensor:
+def _sum(x: Tensor, *, residual, branch_bias, seed, stream, p, sum_dtype, **_) -> Tensor:
+    """`residual + dropout(x + branch_bias)` rounded to `sum_dtype`."""
     s = x.float()
     if branch_bias is not None:
         s = s + branch_bias.float()
@@ -69,17 +65,17 @@ def _normalize(s: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor
     return centered * rstd.unsqueeze(-1), mean, rstd
 
 
-def forward(
-    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
-):
+def forward(*, x, weight, bias, eps, rms, out_dtype, **summed) -> tuple[Tensor, ...]:
+    """The forward on the op's arguments by name (`summed`: those the sum reads)."""
     # contiguous inputs give contiguous outputs, as the fake implementation promises
     x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    if has_prologue(residual, branch_bias, p):
-        total = _sum(x, residual, branch_bias, seed, stream, p, sum_dtype)
+    residual = summed["residual"]
+    summed["residual"] = residual.contiguous() if residual is not None else None
+    if has_prologue(summed["residual"], summed["branch_bias"], summed["p"]):
+        total = _sum(x, **summed)
         normalized = total
     else:
-        total, normalized = x.new_empty((0,), dtype=sum_dtype), x
+        total, normalized = x.new_empty((0,), dtype=summed["sum_dtype"]), x
     y, mean, rstd = _normalize(normalized.float(), eps, rms)
     if weight is not None:
         y = y * weight.float()
@@ -89,9 +85,9 @@ def forward(
 
 
 def backward(
-    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-    residual_dtype, bias_dtype, branch_bias_dtype,
-):  # fmt: skip
+    *, grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, **dtypes
+) -> tuple[Tensor, ...]:
+    """The backward on the op's arguments by name (`dtypes`: those of the forward's tensors)."""
     n = saved.shape[-1]
     rows = math.prod(saved.shape[:-1])  # (-1 is ambiguous at width 0)
     s = saved.reshape(rows, n).float()
@@ -109,7 +105,7 @@ def backward(
     dx = ds
     if p > 0:
         dx = torch.where(keep_mask_by_rows(seed, s.shape, stream, p), ds / (1.0 - p), 0.0)
-    shapes = grad_shapes(saved, weight, x_dtype, residual_dtype, bias_dtype, branch_bias_dtype, p)
+    shapes = grad_shapes(saved=saved, weight=weight, p=p, **dtypes)
     values = (dx, ds, (dy * xhat).sum(0), dy.sum(0), dx.sum(0))
     return tuple(
         v.reshape(shape).to(dtype) if shape != (0,) else saved.new_empty((0,), dtype=dtype)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from seqcompile.ops import row_loss
+from seqcompile.ops.linear_row_loss import program as row_loss
 from seqcompile.ops.samples import Sample, generator, randn
 
 Tensor = torch.Tensor

@@ -1,16 +1,5 @@
-"""The fused residual + normalization operator `seqfast::add_norm` and its backward
-`seqfast::add_norm_backward`: schema, fake implementation, kernel launch, autograd; the reference
-implementation lives in `norm_reference.py`.
-
-With every input but `x` optional, the forward computes
-
-    sum = residual + dropout(x + branch_bias, p)        rounded to `sum_dtype`
-    out = norm(sum) * weight + bias                      LayerNorm or RMSNorm over the last dim
-
-and returns `(out, sum, mean, rstd)`. `sum` is empty when there is nothing to add (the norm reads
-`x` itself); `mean` is empty for RMSNorm. The backward saves the sum (or `x`) and the per-row
-statistics, and regenerates the dropout mask from the seed.
-"""
+"""The generated kernels of `seqfast::add_norm` and its backward: which kernels a call launches,
+their launch configurations, and the launchers, taking the op's arguments by name."""
 
 from __future__ import annotations
 
@@ -22,16 +11,11 @@ import torch
 import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
-from seqcompile.ops import norm_reference as reference
-from seqcompile.ops import samples_norm, sharding_rules
-from seqcompile.ops.fused_op import Call, FusedOp, gradients, named
+from seqcompile.ops.add_norm import reference
 from seqcompile.run import runtime, tuning
 from seqcompile.run.tuning import Config
 
 Tensor = torch.Tensor
-MAX_WIDTH = 16384
-"""Widest normalized dimension the kernels take: a whole row lives in registers."""
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def forward_spec(
@@ -107,46 +91,6 @@ def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
     )
 
 
-# --------------------------------------------------------------------------------------------
-# forward
-
-
-@torch.library.custom_op("seqfast::add_norm", mutates_args=())
-def add_norm(
-    x: Tensor,
-    residual: Tensor | None,
-    branch_bias: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    seed: Tensor | None,
-    stream: int,
-    p: float,
-    eps: float,
-    rms: bool,
-    out_dtype: torch.dtype,
-    sum_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    arguments = dict(locals())  # the schema's arguments by name (before any other local)
-    if p > 0 and seed is None:
-        raise ValueError("seqfast::add_norm: dropout p > 0 needs a seed tensor")
-    impl = forward_kernels if runtime.use_kernels(x) else reference.forward
-    return impl(**arguments)
-
-
-@add_norm.register_fake
-@named(torch.ops.seqfast.add_norm.default)
-def _(call: Call):
-    x, sum_dtype = call["x"], call["sum_dtype"]
-    out = x.new_empty(x.shape, dtype=call["out_dtype"])
-    if reference.has_prologue(call["residual"], call["branch_bias"], call["p"]):
-        total = x.new_empty(x.shape, dtype=sum_dtype)
-    else:
-        total = x.new_empty((0,), dtype=sum_dtype)
-    rows = x.shape[:-1]
-    mean = x.new_empty((0,) if call["rms"] else rows, dtype=torch.float32)
-    return out, total, mean, x.new_empty(rows, dtype=torch.float32)
-
-
 def _rows(t: Tensor, argument: str) -> Tensor:
     """`t` as contiguous (rows, width), a copy counted where it takes one; the rows counted, as
     -1 is ambiguous at width 0."""
@@ -189,10 +133,13 @@ def _launch(spec: KernelSpec, space: list[Config], rows: int, grid_of, launch, d
     tuning.launch(spec, sizes, space, lambda c: launch(c, grid_of(c)), device)
 
 
-def forward_kernels(
-    x, residual, branch_bias, weight, bias, seed, stream, p, eps, rms, out_dtype, sum_dtype
-):
-    arguments = dict(locals())  # by the schema's names, for the kernel's flags
+def forward(**arguments: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's kernel launched on the op's arguments by name."""
+    x, residual, branch_bias, weight, bias = (
+        arguments[name] for name in ("x", "residual", "branch_bias", "weight", "bias")
+    )
+    seed, stream, p, eps, rms = (arguments[name] for name in ("seed", "stream", "p", "eps", "rms"))
+    out_dtype, sum_dtype = arguments["out_dtype"], arguments["sum_dtype"]
     n = x.shape[-1]
     x2 = _rows(x, "x")
     m = x2.shape[0]
@@ -232,53 +179,15 @@ def forward_kernels(
     )
 
 
-# --------------------------------------------------------------------------------------------
-# backward
-
-
-@torch.library.custom_op("seqfast::add_norm_backward", mutates_args=())
-def add_norm_backward(
-    grad_out: Tensor,
-    grad_sum: Tensor | None,
-    saved: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    seed: Tensor | None,
-    stream: int,
-    p: float,
-    rms: bool,
-    x_dtype: torch.dtype,
-    residual_dtype: torch.dtype | None,
-    bias_dtype: torch.dtype | None,
-    branch_bias_dtype: torch.dtype | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dx, dresidual, dweight, dbias, dbranch_bias); absent ones are empty. `dresidual` is
-    empty also when it would equal `dx` (no dropout, same dtype)."""
-    arguments = dict(locals())  # the schema's arguments by name (before any other local)
-    impl = backward_kernels if runtime.use_kernels(saved) else reference.backward
-    return impl(**arguments)
-
-
-@add_norm_backward.register_fake
-@named(torch.ops.seqfast.add_norm_backward.default)
-def _(call: Call):
-    saved = call["saved"]
-    return tuple(saved.new_empty(shape, dtype=dtype) for shape, dtype in _grad_shapes(call))
-
-
-def _grad_shapes(call: Mapping[str, Any]) -> list:
-    """The shape and dtype of each gradient an `add_norm_backward` call returns."""
-    names = ("saved", "weight", "x_dtype", "residual_dtype", "bias_dtype", "branch_bias_dtype", "p")
-    return reference.grad_shapes(**{name: call[name] for name in names})
-
-
-def backward_kernels(
-    grad_out, grad_sum, saved, mean, rstd, weight, seed, stream, p, rms, x_dtype,
-    residual_dtype, bias_dtype, branch_bias_dtype,
-):  # fmt: skip
-    arguments = dict(locals())  # by the schema's names, for the kernels' flags and sizes
-    shapes = _grad_shapes(arguments)
+def backward(**arguments: Any) -> tuple[Tensor, ...]:
+    """The backward's kernels launched on the op's arguments by name."""
+    grad_out, grad_sum, saved, mean, rstd = (
+        arguments[name] for name in ("grad_out", "grad_sum", "saved", "mean", "rstd")
+    )
+    weight, seed, stream, p, rms = (
+        arguments[name] for name in ("weight", "seed", "stream", "p", "rms")
+    )
+    shapes = reference.grad_shapes(**arguments)
     dx, dres, dweight, dbias, dbranch_bias = (
         runtime.empty(tuple(shape), dtype, saved.device) for shape, dtype in shapes
     )
@@ -329,87 +238,3 @@ def backward_kernels(
         for t, row in zip(params, sums, strict=True):
             t.copy_(row)
     return dx, dres, dweight, dbias, dbranch_bias
-
-
-# --------------------------------------------------------------------------------------------
-# autograd
-
-
-FORWARD = torch.ops.seqfast.add_norm.default
-
-
-def _setup_context(ctx, inputs, output):
-    call = Call(FORWARD, inputs, {})
-    _out, total, mean, rstd = output
-    prologue = reference.has_prologue(call["residual"], call["branch_bias"], call["p"])
-    ctx.mark_non_differentiable(mean, rstd)
-    if not prologue:
-        ctx.mark_non_differentiable(total)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(
-        total if prologue else call["x"], mean, rstd, call["weight"], call["seed"]
-    )
-    ctx.config = dict(
-        stream=call["stream"],
-        p=call["p"],
-        rms=call["rms"],
-        x_dtype=call["x"].dtype,
-        **{f"{name}_dtype": _dtype(call[name]) for name in ("residual", "bias", "branch_bias")},
-    )
-
-
-def _dtype(t: Tensor | None) -> torch.dtype | None:
-    return t.dtype if t is not None else None
-
-
-def _backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
-    saved, mean, rstd, weight, seed = ctx.saved_tensors
-    config = ctx.config
-    if grad_out is None and grad_sum is None:
-        return gradients(FORWARD)
-    if grad_out is None:
-        grad_out = torch.zeros_like(saved)
-    dx, dres, dweight, dbias, dbranch_bias = torch.ops.seqfast.add_norm_backward(
-        grad_out, grad_sum, saved, mean, rstd, weight, seed, **config
-    )
-    p, x_dtype, residual_dtype = config["p"], config["x_dtype"], config["residual_dtype"]
-    if residual_dtype is None:
-        dresidual = None
-    else:
-        dresidual = dres if reference.needs_residual_grad(p, x_dtype, residual_dtype) else dx
-    return gradients(
-        FORWARD,
-        x=dx,
-        residual=dresidual,
-        branch_bias=dbranch_bias if config["branch_bias_dtype"] is not None else None,
-        weight=dweight if weight is not None else None,
-        bias=dbias if config["bias_dtype"] is not None else None,
-    )
-
-
-add_norm.register_autograd(_backward, setup_context=_setup_context)
-
-
-ENTRY = FusedOp(
-    name="add_norm",
-    family="norm",
-    forward=torch.ops.seqfast.add_norm.default,
-    backward=(torch.ops.seqfast.add_norm_backward.default,),
-    reference=reference.forward,
-    lowering={  # the reference, which traces as it is
-        torch.ops.seqfast.add_norm.default: reference.forward,
-        torch.ops.seqfast.add_norm_backward.default: reference.backward,
-    },
-    kernels={
-        torch.ops.seqfast.add_norm.default: forward_kernels_of,
-        torch.ops.seqfast.add_norm_backward.default: backward_kernels_of,
-    },
-    sharding={
-        torch.ops.seqfast.add_norm.default: sharding_rules.norm_forward,
-        torch.ops.seqfast.add_norm_backward.default: sharding_rules.norm_backward,
-    },
-    saves="the sum (or x when nothing is added) and the per-row mean and 1/std; the dropout"
-    " mask is regenerated from the seed",
-    samples=samples_norm.samples,
-    benchmark="benchmarks.norm_kernels",
-)

@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
-from seqcompile.ops.pointwise_region import UnsupportedRegion, trace
+from seqcompile.ops.pointwise.region import UnsupportedRegion, trace
 from seqcompile.ops.wide_evaluation import widened
 
 Tensor = torch.Tensor

@@ -1,0 +1,115 @@
+"""What a call of `seqfast::attention` costs and visits: FLOPs over the scores the kernels visit,
+the key blocks causal and window let them skip, the backward's workspace, and what the report
+says of a call's masks."""
+
+from __future__ import annotations
+
+import torch
+
+from seqcompile.fx_utils import concrete
+from seqcompile.ops.attention import configs, score_mods
+from seqcompile.ops.fused_op import Call
+
+Tensor = torch.Tensor
+
+
+def _products(call: Call, q_dims: int, v_dims: int) -> int:
+    """FLOPs of products over the scores the kernels visit, `q_dims` of them as long as q's head
+    dim and `v_dims` as v's (those causal and window hide are not counted)."""
+    q, k, v = (call.value(name) for name in "qkv")
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    scores = (
+        concrete(q.numel())
+        // concrete(q.shape[-1])
+        // max(lq, 1)
+        * visible_pairs(lq, lk, call["causal"], call["window"])
+    )
+    return 2 * scores * concrete(q_dims * q.shape[-1] + v_dims * v.shape[-1])
+
+
+def visible_pairs(lq: int, lk: int, causal: bool, window: int) -> int:
+    """How many (query, key) pairs `causal` and `window` leave, top-left aligned: those with
+    key - query <= 0 (all, without causal) less those with key - query <= -window."""
+    kept = _pairs_below(lq, lk, 0) if causal else lq * lk
+    return kept - (_pairs_below(lq, lk, -window) if window > 0 else 0)
+
+
+def _pairs_below(lq: int, lk: int, diagonal: int) -> int:
+    """Pairs (i, j) of an Lq x Lk grid with j - i <= `diagonal`: row i has
+    clamp(i + diagonal + 1, 0, Lk) of them, 0 up to row `start`, Lk from row `full` on."""
+    c = diagonal + 1
+    start, full = min(max(-c, 0), lq), min(max(lk - c, 0), lq)
+    return (full - start) * c + (start + full - 1) * (full - start) // 2 + (lq - full) * lk
+
+
+def forward_flops(call: Call) -> int:
+    """q @ k^T and probs @ v."""
+    return _products(call, 1, 1)
+
+
+def backward_flops(call: Call) -> int:
+    """q @ k^T again, grad_out @ v^T, probs^T @ grad_out, dscores @ k and dscores^T @ q."""
+    return _products(call, 3, 2)
+
+
+def describe(call: Call) -> str | None:
+    """The masks a call computes from positions or reads, and the key blocks its forward visits
+    at the traced sizes with this device's tiles (None for plain attention)."""
+    q, k = call.value("q"), call.value("k")
+    causal = "causal" if call["prefix"] is None else "causal after a prefix (its keys seen by all)"
+    kinds = ([causal] if call["causal"] else []) + (
+        [f"sliding window {call['window']}"] if call["window"] else []
+    )
+    if call["score_mod"]:
+        kinds.append(f"scores modified as {score_mods.lookup(call['score_mod']).description}")
+    for name in ("mask", "bias"):
+        if call[name] is not None:
+            kinds.append(f"reads a {name} {_shape(call.value(name))}")
+    if call["rel_bias"] is not None:
+        kinds.append(f"reads a bias by key - query position {_shape(call.value('rel_bias'))}")
+    if call["doc_q"] is not None:
+        kinds.append(
+            "compares document ids (skipping blocks where no query shares a key's document,"
+            " which depends on the ids)"
+        )
+    if not kinds:
+        return None
+    head_dim, device = concrete(q.shape[-1]), q.device.type
+    dropout = call["p"] > 0
+    tiles = dict(configs.space("attention_fwd", head_dim, q.dtype, device, dropout)[0].blocks)
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
+    tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
+    blocks = f"the forward visits {visited} of {total} {tile} blocks per head"
+    if call["prefix"] is not None:
+        blocks += " besides the prefix's (as many as its lengths reach past the diagonal)"
+    return f"{', '.join(kinds)}; {blocks}"
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(concrete(n) for n in t.shape)
+
+
+def key_blocks(
+    lq: int, lk: int, causal: bool, window: int, BLOCK_M: int, BLOCK_N: int, **_: int
+) -> tuple[int, int]:
+    """Key blocks the forward kernel visits over all query blocks of one head, and all there
+    are, with the bounds its loops take from `causal` and `window`."""
+    visited = 0
+    for start_m in range(0, lq, BLOCK_M):
+        end = min(lk, start_m + BLOCK_M) if causal else lk
+        start = max(start_m - window + 1, 0) // BLOCK_N * BLOCK_N if window else 0
+        visited += max(0, -(-(end - start) // BLOCK_N))
+    return visited, -(-lq // BLOCK_M) * -(-lk // BLOCK_N)
+
+
+def backward_workspace(call: Call) -> int:
+    """Each query row's delta, the float32 bias gradient at the scores' full size before it is
+    summed to the bias's shape (when the bias needs one), and the relative bias's per (batch,
+    head) (when it needs one)."""
+    q, k = call.value("q"), call.value("k")
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    rows = concrete(q.numel()) // concrete(q.shape[-1])
+    bias = rows * lk if call["bias_grad"] else 0
+    relative = rows // max(lq, 1) * (lq + lk - 1) if call["rel_grad"] else 0
+    return 4 * (rows + bias + relative)
