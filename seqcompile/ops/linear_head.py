@@ -3,9 +3,9 @@
 the rows in chunks, and return the loss with the finished gradients of the hidden states, the
 weight and the bias, which their backward multiplies by the incoming gradient.
 
-Here: the chunking, the float32 accumulation of the weight gradient, the FLOPs, the backward, its
-autograd registration, and the accumulation hook that adds the weight and bias gradients into the
-parameters' buffers.
+Here: the chunking, the float32 accumulation of the weight gradient, the FLOPs, the fake
+implementation, the backward op and its sharding rule, the autograd registration, and the
+accumulation hook that adds the weight and bias gradients into the parameters' buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.fx import Graph, Node
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
 from seqcompile.fx_utils import concrete
-from seqcompile.ops.fused_op import Call, gradients, named, needs_grad
+from seqcompile.ops.fused_op import Call, define, gradients, named, needs_grad, schema
 from seqcompile.ops.sharding import (
     NoSharding,
     Partial,
@@ -35,6 +35,9 @@ from seqcompile.ops.sharding import (
 Tensor = torch.Tensor
 GRADIENTS = ("hidden", "weight", "bias")
 """The arguments whose gradients the forward computes, in the order of its `needs_grad` flags."""
+
+BACKWARD_ARGUMENTS = "Tensor grad, Tensor dhidden, Tensor dweight, Tensor dbias"
+"""The backward's: the incoming gradient of the loss and the forward's finished gradients."""
 
 SAVES = (
     "the finished gradients of the hidden states, the weight and the bias (the forward computes"
@@ -150,14 +153,11 @@ def define_backward(op, forward: OpOverload, name: str) -> OpOverload:
     """For the forward custom op `op` (its overload `forward`, named `seqfast::<name>`): its fake
     implementation, its backward op `seqfast::<name>_backward` (`scaled`), and its autograd."""
     op.register_fake(named(forward)(fake_outputs))
-
-    def backward_op(
-        grad: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """The forward's gradients times the incoming gradient of the loss."""
-        return scaled(grad, dhidden, dweight, dbias)
-
-    backward = torch.library.custom_op(f"seqfast::{name}_backward", mutates_args=())(backward_op)
+    backward = define(
+        f"seqfast::{name}_backward",
+        schema(BACKWARD_ARGUMENTS, returns="(Tensor, Tensor, Tensor)"),
+        lambda call: scaled(**call),
+    )
     packet = getattr(torch.ops.seqfast, f"{name}_backward")
     backward.register_fake(named(packet.default)(fake_backward))
     _register_autograd(op, forward, packet)
