@@ -236,8 +236,9 @@ class Options:
     """Level of the "seqcompile" logger; None leaves it as configured (e.g. by TORCH_LOGS)."""
     loss_chunk: int = 0
     """Tokens per chunk of the fused linear + cross-entropy (its extra memory is one chunk of
-    logits); 0 picks an eighth of the tokens, or all of them when the logits are under 2^20
-    elements."""
+    logits); 0 picks, on a GPU, as many even chunks as each give the matmuls two waves of tiles
+    within the step's planned peak (`memory/loss_chunks.py`), elsewhere an eighth of the tokens,
+    or all of them when the logits are under 2^20 elements."""
     reuse_saved: bool = True
     """The backward writes a result over a saved tensor it reads last (the cross-entropy gradient
     over the logits). A backward that keeps the graph for another (`retain_graph=True`) writes

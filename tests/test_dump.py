@@ -136,7 +136,7 @@ def test_stage_5_passes_are_dumped_in_order_after_differentiate(tmp_path):
     differentiate = [i for i, stage in enumerate(stages) if stage.startswith("differentiate")]
     assert differentiate, stages
     passes = ("joint_passes", "budget", "partition", "gradient_sums", "in_place")
-    passes += ("accumulation", "memory_analysis")
+    passes += ("accumulation", "loss_chunks", "memory_analysis")
     after = stages[differentiate[-1] + 1 : differentiate[-1] + 1 + len(passes)]
     assert after == [f"plan_memory_{name}" for name in passes], stages
 

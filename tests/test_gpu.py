@@ -486,3 +486,38 @@ def test_loss_kernels_on_infinite_logits_and_strided_targets(smoothing):
         torch.autograd.grad(loss, wrt), torch.autograd.grad(expected, wrt), strict=True
     ):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_a_compiled_linear_loss_takes_the_chunk_that_fills_the_device():
+    """The default chunk on a GPU (`memory/loss_chunks.py`): set from the device's
+    multiprocessors in the planned forward, and loss and gradients as eager's."""
+    import seqcompile.backend as backend
+    from seqcompile.ops import registry
+
+    forward = registry.entry_named("linear_cross_entropy").forward
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = torch.nn.Linear(768, 50257, bias=False, device="cuda")
+    hidden = torch.randn(4096, 768, device="cuda", generator=g, requires_grad=True)
+    target = torch.randint(50257, (4096,), device="cuda", generator=g)
+    planned = {}
+    original = backend.plan_memory
+
+    def keep(*args, **kwargs):
+        planned["plan"] = original(*args, **kwargs)
+        return planned["plan"]
+
+    def loss_of(hidden, target):
+        return F.cross_entropy(head(hidden).float(), target)
+
+    def step(fn):
+        loss = fn(hidden, target)
+        return (loss, *torch.autograd.grad(loss, [hidden, head.weight]))
+
+    eager = step(loss_of)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "plan_memory", keep)
+        compiled = step(torch.compile(loss_of, backend="seqfast"))
+    nodes = [n for n in planned["plan"].forward.graph.nodes if n.target == forward]
+    assert nodes and all(Call.of(n)["chunk"] > 0 for n in nodes)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

@@ -1,7 +1,7 @@
 """Stage 5, plan memory, as a named list of passes over AOTAutograd's joint graph:
 
     joint_passes -> budget -> partition -> gradient_sums -> in_place -> accumulation
-    -> memory_analysis
+    -> loss_chunks -> memory_analysis
 
 Each pass takes the `Plan` (the joint graph, then the forward and backward graphs) and returns
 notes: which variant a fused op's backward took, what the budget chose. The backend dumps the
@@ -26,6 +26,7 @@ from seqcompile.memory.cost import node_cost, roofline_for, total_cost
 from seqcompile.memory.gradient_sums import fold_gradient_sums
 from seqcompile.memory.in_place import write_over_saved
 from seqcompile.memory.liveness import step_memory
+from seqcompile.memory.loss_chunks import choose as chosen_chunks
 from seqcompile.memory.partition import choose_partitioner, partition, torch_budget
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
@@ -173,6 +174,19 @@ def accumulation(plan: Plan, state: Compile) -> list[str]:
     return [f"inputs {list(accumulation.positions)} accumulate into their .grad", two, *hooked]
 
 
+def loss_chunks(plan: Plan, state: Compile) -> list[str]:
+    """On a GPU, the chunk of each linear + loss call that leaves it to seqcompile: as many even
+    chunks as fill the device, within the step's planned peak (`memory/loss_chunks.py`)."""
+    redone = budget.recomputed_in(plan.backward, plan.joint_forward)
+    parameters = {f"primals_{i + 1}" for i in parameter_positions(state)}
+
+    def peak() -> int:
+        graphs = (plan.forward, plan.backward, plan.num_fwd_outputs)
+        return step_memory(*graphs, parameters, redone).peak_bytes
+
+    return chosen_chunks(plan.forward, peak)
+
+
 def memory_analysis(plan: Plan, state: Compile) -> list[str]:
     """Check the final graphs, then record the step's memory and the kernels they launch."""
     for graph, signature in zip(plan.graphs, plan.signatures, strict=True):
@@ -209,6 +223,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("gradient_sums", gradient_sums),
     ("in_place", in_place),
     ("accumulation", accumulation),
+    ("loss_chunks", loss_chunks),
     ("memory_analysis", memory_analysis),
 )
 """Stage 5's passes in the order they run, by the name their dump file carries."""

@@ -59,6 +59,33 @@ def default_chunk(rows: int, classes: int) -> int:
     return chunk - chunk % 128 if chunk >= 128 else chunk
 
 
+TILE = 128
+"""Rows and columns of the matmul output tile the chunk rule counts (cuBLAS's and Inductor's
+usual 128 x 128 on Hopper)."""
+WAVES = 2
+"""Waves of output tiles each of a chunk's matmuls should give the device at least."""
+
+
+def filling_chunk(call: Call, processors: int) -> int:
+    """The rows of the smallest chunk whose every matmul gives `processors` multiprocessors
+    `WAVES` waves of `TILE` x `TILE` output tiles: the logits (rows x classes) and, where the
+    hidden states want a gradient, `dlogits @ weight` (rows x features). The weight's gradient
+    (classes x features) has as many tiles at any chunk."""
+    features, classes = (
+        concrete(call.value(n).shape[i]) for n, i in (("hidden", 1), ("weight", 0))
+    )
+    narrowest = min(classes, features) if wanted(call)["hidden"] else classes
+    columns = max(1, -(-narrowest // TILE))
+    return -(-WAVES * processors // columns) * TILE
+
+
+def even_chunk(rows: int, at_least: int) -> int:
+    """The chunk that splits `rows` evenly into as many chunks of at least `at_least` rows as
+    there are room for (one chunk of every row where there is room for none)."""
+    count = max(1, rows // max(at_least, 1))
+    return -(-rows // count)
+
+
 def chunks(m: int | torch.SymInt, classes: int, chunk: int) -> list[tuple[int, int]]:
     """The (start, end) rows of each chunk the forward walks; one chunk of every row when the
     number of rows is symbolic (a loop over it would fix it to its traced value)."""
@@ -149,9 +176,14 @@ def fake_backward(call: Call) -> tuple[Tensor, ...]:
     return tuple(torch.empty_like(call[name]) for name in ("dhidden", "dweight", "dbias"))
 
 
+CHUNKED: set[OpOverload] = set()
+"""The forward ops of the chunked linear + loss operators (each `define_backward` adds its own)."""
+
+
 def define_backward(op, forward: OpOverload, name: str) -> OpOverload:
     """For the forward custom op `op` (its overload `forward`, named `seqfast::<name>`): its fake
     implementation, its backward op `seqfast::<name>_backward` (`scaled`), and its autograd."""
+    CHUNKED.add(forward)
     op.register_fake(named(forward)(fake_outputs))
     backward = define(
         f"seqfast::{name}_backward",

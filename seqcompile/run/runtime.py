@@ -72,8 +72,16 @@ def _poison(dtype: torch.dtype) -> float | int | bool:
     return True if dtype == torch.bool else torch.iinfo(dtype).max
 
 
+def multiprocessors(device: torch.device) -> int | None:
+    """The streaming multiprocessors of a CUDA device; None elsewhere (no waves to fill)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def program_cap(tensor: torch.Tensor) -> int:
     """How many programs a persistent-style kernel should start on `tensor`'s device."""
-    if tensor.device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(tensor.device).multi_processor_count
+    processors = multiprocessors(tensor.device)
+    if processors is not None:
+        return 4 * processors
     return 4  # the interpreter runs programs one after another; few programs, fewer partials

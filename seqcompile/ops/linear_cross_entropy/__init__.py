@@ -45,4 +45,5 @@ ENTRY = FusedOp(
     workspace={op.FORWARD: cost.workspace_bytes},
     accumulate=head.accumulate,
     benchmark="benchmarks.loss",
+    describe=cost.describe,
 )

@@ -1,4 +1,5 @@
-"""What a call of `seqfast::linear_cross_entropy` allocates while it runs."""
+"""What a call of `seqfast::linear_cross_entropy` allocates while it runs, and what the report says
+of it."""
 
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ def padded_classes(classes: int, dtype: torch.dtype) -> int:
     """The row length of a chunk of logits: the classes, padded to a multiple of 16 bytes."""
     per_vector = 16 // torch.empty((), dtype=dtype).element_size()
     return -(-classes // per_vector) * per_vector
+
+
+def describe(call: Call) -> str:
+    """The chunks a call walks, at the traced sizes."""
+    return f"chunks of {head.chunk_rows(call)} rows"
