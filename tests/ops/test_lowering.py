@@ -128,6 +128,7 @@ def _check_twin(entry: FusedOp, args: tuple, kwargs: Mapping[str, Any], expected
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.rotating(2)  # every sample of every operator: half per run, in turn
 @pytest.mark.parametrize("entry, sample", list(_cases()))
 def test_lowering_traces_to_plain_aten_and_computes_the_reference(entry: FusedOp, sample: Sample):
     args = replace_slots(
