@@ -1,7 +1,8 @@
 """What the compiler knows about one fused operator, declared once: `FusedOp` is a registry entry
 (its family, forward and backward ops, reference, CPU lowering, the kernels each launches, its
 cost, what its backward keeps, its workspace, its in-place twin, its gradient-accumulation hook
-and its sample inputs), and `Call` reads a call of one of its ops by argument name. Every stage
+and the folder that holds its parts and sample inputs), and `Call` reads a call of one of its ops
+by argument name. An op is made from its schema, written once (`schema`, `define`). Every stage
 asks the entry (through `ops/registry.py`), and every piece of an op's glue (fake implementation,
 autograd, launcher) reads arguments through `Call`, `named`, `needs_grad` and `gradients`;
 nothing indexes a fused op's positional arguments.
