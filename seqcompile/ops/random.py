@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from seqcompile.ops import random_native
+
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -46,7 +48,16 @@ def philox_words(seed: torch.Tensor, counter: tuple[torch.Tensor, ...]) -> tuple
 
 
 def uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
-    """The stream's first `count` numbers (float32 in [0, 1)), those of flat offsets 0..count-1."""
+    """The stream's first `count` numbers (float32 in [0, 1)), those of flat offsets 0..count-1:
+    on CPU from the stream's C function where this machine compiles it (one op in a traced graph),
+    else written out in torch integer ops (`written_out`)."""
+    if seed.device.type == "cpu" and random_native.available():
+        return torch.ops.seqfast.philox_uniforms(seed, count, stream)
+    return written_out(seed, count, stream)
+
+
+def written_out(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
+    """`uniforms` in torch integer ops, on any device."""
     blocks = torch.arange((count + WORDS - 1) // WORDS, device=seed.device, dtype=torch.int64)
     counter = (blocks & _M32, blocks >> 32, torch.full_like(blocks, stream & _M32))
     words = philox_words(seed, (*counter, torch.zeros_like(blocks)))

@@ -62,13 +62,18 @@ def _traced(fn: Callable[..., Any], arguments: Mapping[str, Any]):
     return gm, tensors, [owners[i] for i in where]
 
 
+HELPERS = (torch.ops.seqfast.checked_index.default, torch.ops.seqfast.philox_uniforms.default)
+"""The seqfast ops a lowering may call, which Inductor runs as they are: the host's check of the
+targets, the dropout stream's C function on CPU."""
+
+
 def _check_plain(gm: torch.fx.GraphModule, name: str) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         target = node.target
-        if target is torch.ops.seqfast.checked_index.default:
-            continue  # the host's check of the targets, which Inductor calls as it is
+        if target in HELPERS:
+            continue
         assert getattr(target, "namespace", None) != "seqfast", f"{name}: traces {target}"
         assert target not in DATA_DEPENDENT, f"{name}: data-dependent {target}"
         assert not free_unbacked_symbols(node.meta.get("val")), f"{name}: {target} sizes by data"

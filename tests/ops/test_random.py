@@ -4,13 +4,25 @@ element at any offset (the counter's high word included), and four per evaluatio
 row whose starts allow it."""
 
 import importlib.util
+import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import triton
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.render import _env
-from seqcompile.ops.random import keep_mask, keep_mask_by_rows, padded_width, philox_words, uniforms
+from seqcompile.ops import random_native
+from seqcompile.ops.random import (
+    keep_mask,
+    keep_mask_by_rows,
+    padded_width,
+    philox_words,
+    uniforms,
+    written_out,
+)
 from tests.conftest import needs_interpreter
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: counter, key, output.
@@ -148,3 +160,49 @@ def test_a_mask_by_rows_starts_each_row_at_a_multiple_of_4(shape):
     for row, values in enumerate(mask.reshape(-1, n) if n else []):
         offsets = row * padded_width(n) + torch.arange(n)
         assert torch.equal(values, at_offsets(seed, offsets, 9) >= p)
+
+
+NATIVE_CASES = [
+    (seed, count, stream)
+    for seed in (0, 1, 2**62 - 1, 0x1234_5678_9ABC_DEF0 % 2**62)
+    for count in (0, 1, 3, 63, 64, 65, 1000)
+    for stream in (0, 5, 2**31 + 1, 2**32 - 1)
+]
+
+
+def test_the_c_stream_draws_the_written_out_numbers():
+    """Every count around the C function's 64-element steps, seeds with their high bits set, and
+    streams using all 32 bits: the same numbers bit for bit (the kernels' tests above pin those)."""
+    assert random_native.available() or random_native._compiler() is None
+    if not random_native.available():
+        pytest.skip("no C compiler on this machine")
+    for seed, count, stream in NATIVE_CASES:
+        seed = torch.tensor(seed)
+        drawn = torch.ops.seqfast.philox_uniforms(seed, count, stream)
+        assert torch.equal(drawn, written_out(seed, count, stream)), (seed, count, stream)
+    torch.library.opcheck(torch.ops.seqfast.philox_uniforms, (torch.tensor([7]), 37, 2))
+
+
+def test_a_cpu_trace_keeps_the_stream_as_one_call():
+    """What Inductor compiles on CPU: the stream one opaque call, not Philox's rounds."""
+    if not random_native.available():
+        pytest.skip("no C compiler on this machine")
+    seed = torch.tensor(3)
+    graph = make_fx(lambda s: keep_mask_by_rows(s, torch.Size((4, 6)), 2, 0.1))(seed).graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.seqfast.philox_uniforms.default) == 1
+    assert torch.ops.aten.bitwise_xor.Tensor not in targets
+
+
+def test_without_a_compiler_the_stream_is_written_out(monkeypatch, caplog):
+    monkeypatch.setenv(random_native.COMPILER_ENV, "/nonexistent/cc")
+    monkeypatch.setenv("SEQFAST_CACHE_DIR", str(Path(tempfile.mkdtemp())))  # nothing built there
+    random_native._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="seqcompile"):
+            assert not random_native.available()
+        assert "did not compile" in caplog.text
+        seed = torch.tensor(11)
+        assert torch.equal(uniforms(seed, 37, 4), at_offsets(seed, torch.arange(37), 4))
+    finally:
+        random_native._library.cache_clear()
