@@ -28,7 +28,7 @@ def lower_forward(
     want_h, want_w, want_b = needs_grad
     count = (target != ignore_index).sum()
     scale = (1.0 / count).float() if mean else torch.ones((), device=hidden.device)
-    dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
+    dw = None  # the first chunk's product, then each later one added onto it (no zero fill)
     db = torch.zeros((weight.shape[0],) if want_b else (0,), device=weight.device)
     total = torch.zeros((), device=hidden.device)
     dhs = []
@@ -47,12 +47,15 @@ def lower_forward(
         if want_h:
             dhs.append(torch.mm(dlogits, w))
         if want_w:
-            dw = torch.addmm(dw, dlogits.t().float(), rows.float())
+            a, b_rows = dlogits.t().float(), rows.float()
+            dw = torch.mm(a, b_rows) if dw is None else torch.addmm(dw, a, b_rows)
         if want_b:
             db = db + dlogits.sum(0, dtype=torch.float32)
     if want_h:
         dh = torch.cat(dhs).to(hidden.dtype) if dhs else hidden.new_empty((m, d))
     else:
         dh = hidden.new_empty((0,))
+    if dw is None:
+        dw = torch.zeros(weight.shape if want_w else (0,), device=weight.device)
     loss = total * scale if mean else total
     return loss, dh, *head.finished(weight, bias, dw, db)
