@@ -62,8 +62,6 @@ class Case:
     config: Config
     default: bool
     constants: tuple[tuple[str, object], ...] = ()
-    float32_out: bool = False
-    """Whether its `OUT` holds float32 sums (the column sum) rather than data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +113,11 @@ def norm_cases(widths, defaults_only) -> Iterator[Case]:
                     (backward, norm.row_configs(n, "cuda")),
                     (column_sum, norm.column_configs(n, 3 - rms, "cuda")),
                 ):
-                    if spec is column_sum and (rms or dtype != "fp32"):
-                        continue  # float32 partial sums whatever the data: one row per width
+                    sums = (("K", 3 - rms),) if spec is column_sum else ()
                     for config in space[:1] if defaults_only else space:
                         yield Case(
                             f"{group}, residual, dropout", spec, dtype, n, config,
-                            config == space[0], float32_out=spec is column_sum,
+                            config == space[0], sums,
                         )  # fmt: skip
 
 
@@ -144,7 +141,7 @@ def signature(case: Case) -> tuple[dict[str, str], dict[str, object], dict]:
             types[name] = "i32"
         elif name == "SEED":
             types[name] = "*i64"
-        elif name in FLOAT32_POINTERS or (name == "OUT" and case.float32_out):
+        elif name in FLOAT32_POINTERS:
             types[name] = "*fp32"
         else:
             types[name] = DTYPES[case.dtype]

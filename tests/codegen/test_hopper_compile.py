@@ -203,7 +203,7 @@ NORM = textwrap.dedent(
         flags = dict(branch_bias=on, dropout=on, weight=on, bias=on and not rms)
         compile(norm.forward_spec(residual=on, rms=rms, **flags), "*bf16", {"BLOCK_N": 1024})
         for spec in norm.backward_specs(sum_grad=on, residual_grad=on, rms=rms, **flags):
-            compile(spec, "*fp16", {"BLOCK_N": 1024, "BLOCK_G": 16})
+            compile(spec, "*fp16", {"BLOCK_N": 1024, "BLOCK_G": 16, "K": 3 if on else 1})
     # Triton turns integer arguments equal to 1 into constants: the first dropout stream, width 1
     flags = dict(branch_bias=False, dropout=True, rms=False, weight=True, bias=False)
     compile(norm.forward_spec(residual=True, **flags), "*fp32", {"BLOCK_N": 1, "stream": 1, "N": 1})

@@ -20,9 +20,10 @@ TESTS = Path(__file__).resolve().parents[1]
 
 def column_sum(fn):
     partial = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
-    out = torch.empty(2, 4)
-    fn[(1, 2)](partial, out, 3, 4, BLOCK_G=2, BLOCK_N=4)
-    torch.testing.assert_close(out, partial.sum(1))
+    first, second = torch.empty(4), torch.empty(4, dtype=torch.float16)
+    fn[(1, 2)](partial, first, second, None, 3, 4, 2, BLOCK_G=2, BLOCK_N=4)
+    torch.testing.assert_close(first, partial[0].sum(0))
+    torch.testing.assert_close(second, partial[1].sum(0).half())
 
 
 @needs_interpreter
@@ -46,16 +47,16 @@ def test_a_recorded_launch_is_typed_as_tritons_launcher_types_it():
     """Tensors by their dtype, ints by their value (1 a constant, as Triton specializes it), the
     `tl.constexpr` parameters as constants, and the compile options apart."""
     fn = kernel_function(norm.COLUMN_SUM)
-    partial, out = torch.zeros(2, 3, 4), torch.empty(2, 4)
+    partial, out, half = torch.zeros(2, 3, 4), torch.empty(4), torch.empty(4).half()
     with recording_launches() as record, counting_launches() as count:
-        fn[(1, 2)](partial, out, 3, 1, BLOCK_G=2, BLOCK_N=4, num_warps=2)
+        fn[(1, 2)](partial, out, half, out, 3, 1, 2, BLOCK_G=2, BLOCK_N=4, num_warps=2)
     (launch,) = record
     assert count.names() == {"column_sum": 1} and launch.spec == norm.COLUMN_SUM
     assert dict(launch.signature) == {
-        "PARTIAL": "*fp32", "OUT": "*fp32", "G": "i32", "N": "constexpr",
-        "BLOCK_G": "constexpr", "BLOCK_N": "constexpr",
+        "PARTIAL": "*fp32", "OUT0": "*fp32", "OUT1": "*fp16", "OUT2": "*fp32", "G": "i32",
+        "N": "constexpr", "K": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr",
     }  # fmt: skip
-    assert dict(launch.constexprs) == {"N": 1, "BLOCK_G": 2, "BLOCK_N": 4}
+    assert dict(launch.constexprs) == {"N": 1, "K": 2, "BLOCK_G": 2, "BLOCK_N": 4}
     assert "PARTIAL" in launch.aligned and "G" not in launch.aligned
     assert launch.options == (("num_warps", 2),)
     assert launch.arguments["PARTIAL"] is partial

@@ -226,15 +226,13 @@ def backward(**arguments: Any) -> tuple[Tensor, ...]:
         saved,
     )  # fmt: skip
     if params:
-        sums = runtime.empty((len(params), n), torch.float32, saved.device)
+        outs = [*params, *[None] * (3 - len(params))]
         _launch(
             COLUMN_SUM, column_configs(n, len(params), saved.device.type), programs,
             lambda c: (triton.cdiv(n, c["BLOCK_N"]), len(params)),
             lambda c, grid: kernel_function(COLUMN_SUM)[grid](
-                partial, sums, programs, n, **c.launch_options()
+                partial, *outs, programs, n, len(params), **c.launch_options()
             ),
             partial,
         )  # fmt: skip
-        for t, row in zip(params, sums, strict=True):
-            t.copy_(row)
     return dx, dres, dweight, dbias, dbranch_bias
