@@ -1,10 +1,11 @@
 """The host's cost of seqfast's fused calls, measured on CPU with every kernel launch stubbed out
 and the kernel path otherwise as on CUDA (argument checks, specs, configuration spaces, the tuning
 lookup, allocations): one training step of a 2-layer GPT-2-small-shaped model is compiled with its
-fused calls called as ops (the route where the executor cannot launch their kernels itself: the
-eager executor on CUDA, a call whose launches do not trace), each call it makes is recorded, and
-each is then replayed alone and timed. Printed: microseconds per call by op beside an empty custom
-op's, and per step the fused calls, the launches and the host milliseconds those calls take. Then
+fused calls called as ops (the route where a call's launches do not trace), each call it makes is
+recorded, and each is then replayed alone and timed, as an op call and as the planned launches the
+eager executor on CUDA runs (`lower/planned_launches.py`). Printed: microseconds per call by op
+beside an empty custom op's, and per step the fused calls, the launches and the host milliseconds
+those calls take. Then
 the same step compiled as it is by default, its kernels' launches traced into the graphs
 (`lower/traced_launches.py`): the fused calls left that run the op's Python per step; and once
 more compiled at symbolic sizes (`dynamic=True`), stepping at a second length.
@@ -28,13 +29,17 @@ from typing import Any
 
 import torch
 from torch._library.custom_ops import OPDEFS
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from benchmarks.common import emit, header, table, timed_ms
 from seqcompile import lower
 from seqcompile.codegen import counting_launches
 from seqcompile.codegen.launches import CountedKernel, launches_traced
 from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
+from seqcompile.lower.planned_launches import plan_launches
+from seqcompile.lower.traced_launches import launch_trace
 from seqcompile.run import runtime, tuning
 
 INTERPRETED = {"SEQFAST_INTERPRET": "1", "TRITON_INTERPRET": "1"}
@@ -147,6 +152,28 @@ def calls_as_ops() -> Iterator[None]:
         lower.launches_inlined = traced
 
 
+def planned(call: FusedCall) -> Callable[[], object] | None:
+    """The call's launches traced at fake copies of its arguments and planned as the eager
+    executor on CUDA runs them (`lower/planned_launches.py`), bound to its arguments; None where
+    they do not trace."""
+    fake_mode = FakeTensorMode()
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    graph = torch.fx.Graph()
+    filled = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            filled[i] = graph.placeholder(f"arg{i}")
+            filled[i].meta["val"] = fake_mode.from_tensor(leaf)
+    args, kwargs = tree_unflatten(filled, spec)
+    node = graph.call_function(call.op, tuple(args), kwargs)
+    traced = launch_trace(node, fake_mode)
+    if isinstance(traced, str):
+        return None
+    gm = plan_launches(traced.gm)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return lambda: gm(*tensors)
+
+
 def microseconds(fn: Callable[[], object], reps: int) -> float:
     """Median microseconds per call of `fn` on the host, over `reps` timed calls."""
     return 1e3 * timed_ms(fn, torch.device("cpu"), reps=reps)
@@ -202,24 +229,29 @@ def main() -> None:
         shorter = toy_batch(config, batch, length - 3, torch.device("cpu"), torch.Generator())
         with recording_fused_calls() as dynamic_called:
             dynamic_model(*shorter).backward()
-        by_op: dict[str, list[tuple[float, int]]] = {}
+        by_op: dict[str, list[tuple[float, int, float | None]]] = {}
         for call in calls:  # as the compiled graphs call them: beneath autograd
             with torch.no_grad():
                 us = microseconds(lambda call=call: call.op(*call.args, **call.kwargs), args.reps)
                 with CountingATenCalls() as aten_calls:
                     call.implementation(*call.args, **call.kwargs)
-            by_op.setdefault(str(call.op), []).append((us, aten_calls))
+                plan = planned(call)
+                planned_us = microseconds(plan, args.reps) if plan is not None else None
+            by_op.setdefault(str(call.op), []).append((us, aten_calls, planned_us))
     empty_us = microseconds(lambda: _empty_op(data[0]), args.reps)
     rows, host_us, computing = [], 0.0, 0
-    total_us = sum(t for measured in by_op.values() for t, _ in measured)
+    total_us = sum(t for measured in by_op.values() for t, _, _ in measured)
     for op, measured in sorted(by_op.items()):
-        us = statistics.median(t for t, _ in measured)
+        us = statistics.median(t for t, _, _ in measured)
         made = measured[0][1]
-        rows.append([op, len(measured), us, us - empty_us, f"{made.count} ({made.computing})"])
+        plans = [p for _, _, p in measured if p is not None]
+        planned_us = statistics.median(plans) if len(plans) == len(measured) else "not traced"
+        row = [op, len(measured), us, us - empty_us, planned_us, f"{made.count} ({made.computing})"]
+        rows.append(row)
         if made.computing:
             computing += len(measured)
         else:
-            host_us += sum(t for t, _ in measured)
+            host_us += sum(t for t, _, _ in measured)
     lines = header("Host cost of fused calls, launches stubbed", torch.device("cpu"), __spec__.name)
     lines += [
         f"- model: {config.n_layers} layers, d {config.d_model}, {config.n_heads} heads, vocab "
@@ -239,7 +271,14 @@ def main() -> None:
         f" ({', '.join(sorted({str(c.op) for c in dynamic_called})) or 'none'})",
         "",
         *table(
-            ["op", "calls per step", "us per call", "us beyond an empty custom op", "ATen ops"],
+            [
+                "op",
+                "calls per step",
+                "us per call",
+                "us beyond an empty custom op",
+                "us per planned call",
+                "ATen ops",
+            ],  # fmt: skip
             rows,
         ),
     ]

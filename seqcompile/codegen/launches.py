@@ -195,10 +195,9 @@ class CountedKernel:
     def traceable(self) -> JITFunction:
         """The function a traced launch names: `jit` itself, or under the interpreter (whose
         functions `wrap_triton` does not trace) a `JITFunction` that launches it."""
-        if isinstance(self.jit, JITFunction):
-            return self.jit
         if self._traceable is None:
-            self._traceable = _Interpreted(self)
+            self._traceable = self.jit if isinstance(self.jit, JITFunction) else _Interpreted(self)
+            _BY_TRACEABLE[id(self._traceable)] = self
         return self._traceable
 
     def bind(
@@ -215,6 +214,16 @@ class CountedKernel:
             for name, value in bound.arguments.items()
         }
         return arguments, {k: v for k, v in kwargs.items() if k not in parameters}
+
+
+_BY_TRACEABLE: dict[int, CountedKernel] = {}
+"""Each kernel by the function its traced launches name (both live as long as the process's
+kernel caches)."""
+
+
+def counted_kernel(traceable: Any) -> CountedKernel | None:
+    """The kernel whose traced launches name `traceable`; None for any other function."""
+    return _BY_TRACEABLE.get(id(traceable))
 
 
 class _Interpreted(JITFunction):

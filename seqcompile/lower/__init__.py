@@ -4,7 +4,8 @@ backward is lowered only at the first backward), and inlined into its graph (`in
 that runs its lowering (or a vendor's kernels) as plain ATen for the executor to compile with its
 neighbours, a call that runs its kernels as their launches, for the executor to make from its own
 code (on CUDA under Inductor, and under Triton's interpreter with the eager executor, which runs
-what CUDA runs)."""
+what CUDA runs), or, under the eager executor on CUDA, from a plan of them made once
+(`planned_launches.py`)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from torch.fx import GraphModule, Node
 from seqcompile.fx_utils import device_of, site_name
 from seqcompile.lower.choice import Choice, choose
 from seqcompile.lower.inline import BODIES, fake_mode_of, inline_bodies
+from seqcompile.lower.planned_launches import launches_planned
 from seqcompile.lower.traced_launches import inline_launches, launch_trace, launches_inlined
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, ImplementationUse
 
-__all__ = ["CHOSEN", "choose_implementations", "implement", "launches_inlined"]
+__all__ = ["CHOSEN", "choose_implementations", "implement", "launches_inlined", "launches_planned"]
 
 log = logging.getLogger("seqcompile")
 
@@ -44,8 +46,11 @@ def choose_implementations(
     (`where`: the graph's name and direction)."""
     graph, direction = where
     for node, choice in choose(gm, fake_mode, options, executor).items():
-        if choice.implementation == "kernel" and launches_inlined(device_of(node), executor):
-            choice = _launching(node, choice, fake_mode)
+        device = device_of(node)
+        if choice.implementation == "kernel" and launches_inlined(device, executor):
+            choice = _launching(node, choice, fake_mode, "launched by the executor")
+        elif choice.implementation == "kernel" and launches_planned(device, executor):
+            choice = _launching(node, choice, fake_mode, "launched from its plan", planned=True)
         node.meta[CHOSEN] = choice
         label = registry.entry_of(node).label_of(Call.of(node))
         site = site_name(node)
@@ -55,13 +60,15 @@ def choose_implementations(
         report.add_implementation(use)
 
 
-def _launching(node: Node, choice: Choice, fake_mode: Any) -> Choice:
-    """`choice` (the call's kernels), launched by the executor where the call's launches trace."""
+def _launching(
+    node: Node, choice: Choice, fake_mode: Any, how: str, planned: bool = False
+) -> Choice:
+    """`choice` (the call's kernels), launched as `how` says where the call's launches trace."""
     traced = launch_trace(node, fake_mode)
     if isinstance(traced, str):
         return dataclasses.replace(choice, reason=f"{choice.reason}; called as an op: {traced}")
-    how = f"{choice.reason}; launched by the executor"
-    return dataclasses.replace(choice, reason=how, launched=True)
+    reason = f"{choice.reason}; {how}"
+    return dataclasses.replace(choice, reason=reason, launched=True, planned=planned)
 
 
 def implement(
@@ -79,8 +86,9 @@ def implement(
     if any(_unchosen(node) for node in gm.graph.nodes):
         choose_implementations(gm, fake_mode, options, executor, report, where)
     launched = [node for node in gm.graph.nodes if _chosen(node).launched]
+    planned = {node for node in launched if _chosen(node).planned}
     ops = [str(node.target) for node in launched]
-    for node, why in inline_launches(gm, fake_mode, launched).items():
+    for node, why in inline_launches(gm, fake_mode, launched, planned).items():
         log.warning("seqfast: %s is called as an op after all: %s", node.name, why)
     bodies = {node: _chosen(node).implementation for node in gm.graph.nodes}
     bodies = {node: kind for node, kind in bodies.items() if kind in BODIES}

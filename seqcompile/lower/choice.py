@@ -85,6 +85,8 @@ class Choice:
     launched: bool = False
     """Its kernels' launches are traced into the graph, for the executor to launch
     (`lower/traced_launches.py`)."""
+    planned: bool = False
+    """Those launches run as planned `Launch`es (`lower/planned_launches.py`)."""
 
 
 def choose(gm: GraphModule, fake_mode: Any, options: Options, executor: str) -> dict[Node, Choice]:

@@ -7,7 +7,9 @@ signature: `inline.memoized`).
 
 Launches are traced where the executor can make them (`launches_inlined`): on CUDA under Inductor,
 whose wrapper launches them (and captures them in CUDA graphs under `mode="reduce-overhead"`), and
-on CPU under Triton's interpreter with the eager executor, which runs what CUDA runs, op by op. A
+on CPU under Triton's interpreter with the eager executor, which runs what CUDA runs, op by op.
+Under the eager executor on CUDA they are traced too, and run as planned launches
+(`planned_launches.py`). A
 call whose launches do not trace (a host read at fake values, a launcher that decides by a
 symbolic size's exact value, an op that writes over its argument) stays a call, and the report
 says why. At symbolic sizes the grids stay expressions of the sizes, launch configurations are
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import sympy
@@ -34,6 +36,7 @@ from seqcompile.codegen.launches import tracing_launches
 from seqcompile.fx_utils import device_of
 from seqcompile.lower.inline import Traced, call_inputs, inline_traced, memoized, traced_call
 from seqcompile.lower.measure import run_on_random_inputs
+from seqcompile.lower.planned_launches import plan_launches
 from seqcompile.run import runtime, tuning
 
 __all__ = ["inline_launches", "launch_trace", "launches_inlined"]
@@ -57,15 +60,20 @@ def launch_trace(node: Node, fake_mode: Any) -> Traced | str:
     return traced if isinstance(traced, str) else Traced(traced, call_inputs(node))
 
 
-def inline_launches(gm: GraphModule, fake_mode: Any, nodes: list[Node]) -> dict[Node, str]:
-    """Replace each call of `nodes` in `gm` by its traced launches; those left calls, with why."""
+def inline_launches(
+    gm: GraphModule, fake_mode: Any, nodes: list[Node], planned: Collection[Node] = ()
+) -> dict[Node, str]:
+    """Replace each call of `nodes` in `gm` by its traced launches (as planned `Launch`es for
+    those in `planned`: `planned_launches.py`); those left calls, with why."""
     kept = {}
     for node in nodes:
         traced = launch_trace(node, fake_mode)
         if isinstance(traced, str):
             kept[node] = traced
-        else:
-            inline_traced(gm, node, traced)
+            continue
+        if node in planned:
+            traced = Traced(plan_launches(traced.gm), traced.inputs)
+        inline_traced(gm, node, traced)
     gm.recompile()
     return kept
 
