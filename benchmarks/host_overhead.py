@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch._library.custom_ops import OPDEFS
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -198,10 +199,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200, help="timed replays of each call")
     parser.add_argument("--output", help="append the markdown tables to this file")
     args = parser.parse_args()
-    config = (
+    config = (  # (positions for twice the length: a length equal to it would be specialized)
         GPTConfig(vocab=128, max_len=32, d_model=32, n_heads=2, n_layers=2)
         if args.quick
-        else GPTConfig(**{**dataclasses.asdict(GPT2_SMALL), "n_layers": 2, "max_len": 128})
+        else GPTConfig(**{**dataclasses.asdict(GPT2_SMALL), "n_layers": 2, "max_len": 256})
     )
     batch, length = (2, 16) if args.quick else (1, 128)
     torch.manual_seed(0)
@@ -226,7 +227,10 @@ def main() -> None:
             model, backend="seqfast", dynamic=True, options={"rest": "eager"}
         )
         dynamic_model(*data).backward()  # compiles at symbolic sizes
+        graphs = counters["stats"]["unique_graphs"]
         shorter = toy_batch(config, batch, length - 3, torch.device("cpu"), torch.Generator())
+        dynamic_model(*shorter).backward()  # (what a recompile would tune is not recorded)
+        recompiled = counters["stats"]["unique_graphs"] - graphs
         with recording_fused_calls() as dynamic_called:
             dynamic_model(*shorter).backward()
         by_op: dict[str, list[tuple[float, int, float | None]]] = {}
@@ -266,7 +270,8 @@ def main() -> None:
         f" {len(still_called)} fused calls per step run the op's Python"
         f" ({', '.join(sorted({str(c.op) for c in still_called})) or 'none'}),"
         f" {sum(traced_launches.names().values())} launches",
-        f"- compiled at symbolic sizes, a step at another length: {len(dynamic_called)} fused"
+        f"- compiled at symbolic sizes, a step at another length ({recompiled} graphs compiled"
+        f" again): {len(dynamic_called)} fused"
         f" calls run the op's Python"
         f" ({', '.join(sorted({str(c.op) for c in dynamic_called})) or 'none'})",
         "",

@@ -62,8 +62,14 @@ def test_the_host_cost_benchmark_times_each_fused_call_a_step_makes(tmp_path):
     )
     # on CPU only the loss's check of its targets, a host read, keeps its call an op call
     assert traced is not None and int(traced[1]) <= 1 and int(traced[2]) == launches, text
-    dynamic = re.search(r"at symbolic sizes, a step at another length: (\d+) fused calls", text)
-    assert dynamic is not None and int(dynamic[1]) <= 1, text
+    dynamic = re.search(
+        r"at symbolic sizes, a step at another length \((\d+) graphs compiled again\): (\d+) fused"
+        r" calls",
+        text,
+    )
+    assert dynamic is not None and int(dynamic[1]) == 0 and int(dynamic[2]) <= 1, text
+    planned = re.findall(r"^\| seqfast\.(\w+)\.default \|(?: [^|]+ \|){3} ([^|]+) \|", text, re.M)
+    assert dict(planned)["attention"].strip() != "not traced", "the attention call is planned"
 
 
 def test_compile_time_is_measured_cold_and_warm_for_both_executors(tmp_path):
