@@ -89,6 +89,36 @@ def test_inductor_launches_the_kernels_and_they_compute_what_the_op_calls_do(mon
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
+def test_the_eager_executor_runs_planned_launches_that_compute_what_the_op_calls_do(monkeypatch):
+    """With the eager executor a fused call's traced launches run from its plan (each kernel
+    launched directly, `lower/planned_launches.py`); a step so run gives the loss and gradients
+    of the same step calling the ops, bit for bit (the same kernels, configurations and streams,
+    the rest run by the same eager ops)."""
+    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=2, dropout=0.1)
+    families = ("attention", "norm", "loss", "pointwise")
+    options = {"rest": "eager", "implementations": {family: "kernel" for family in families}}
+
+    def step():
+        torch.manual_seed(0)
+        model = GPT(config).to(cuda)
+        idx = torch.randint(0, config.vocab, (4, 128), device=cuda)
+        with collecting() as report:
+            loss = torch.compile(model, backend="seqfast", options=options)(idx, idx)
+            loss.backward()
+        torch._dynamo.reset()
+        return loss.detach(), [p.grad for p in model.parameters()], report
+
+    loss, grads, report = step()
+    kernels = [u for u in report.implementations if u.implementation == "kernel"]
+    called = [(u.op, u.reason) for u in kernels if "launched from its plan" not in u.reason]
+    assert kernels and all("writes over an argument" in reason for _, reason in called), called
+    monkeypatch.setattr(seqcompile.lower, "launches_planned", lambda device, executor: False)
+    want_loss, want_grads, _ = step()
+    assert torch.equal(loss, want_loss)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_at_a_dynamic_length_inductor_launches_the_kernels_for_every_length():
     """The kernels' launches traced at a symbolic sequence length: Inductor launches every
     kernel call (but those writing over an argument) at two lengths from one compile, and each
