@@ -59,31 +59,33 @@ def test_training_loss_curve_tracks_eager_in_bf16():
     torch.testing.assert_close(fast.losses, eager.losses, atol=5e-2, rtol=2e-2)
 
 
+def _kernel_step(**options):
+    """One training step of a seeded GPT with dropout on CUDA, every fused call running its
+    kernels (`options`: more of the backend's options): the loss, the gradients, the report."""
+    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=2, dropout=0.1)
+    families = ("attention", "norm", "loss", "pointwise")
+    options = {**options, "implementations": {family: "kernel" for family in families}}
+    torch.manual_seed(0)
+    model = GPT(config).to(cuda)
+    idx = torch.randint(0, config.vocab, (4, 128), device=cuda)
+    with collecting() as report:
+        loss = torch.compile(model, backend="seqfast", options=options)(idx, idx)
+        loss.backward()
+    torch._dynamo.reset()
+    return loss.detach(), [p.grad for p in model.parameters()], report
+
+
 def test_inductor_launches_the_kernels_and_they_compute_what_the_op_calls_do(monkeypatch):
     """Under Inductor a fused call's kernels are traced into the graph and launched by its own
     code; a step so compiled gives the loss and gradients of the same step calling the ops (the
     same kernels, configurations and dropout streams; Inductor may order its own sums
     otherwise)."""
-    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=2, dropout=0.1)
-    families = ("attention", "norm", "loss", "pointwise")
-    options = {"implementations": {family: "kernel" for family in families}}
-
-    def step():
-        torch.manual_seed(0)
-        model = GPT(config).to(cuda)
-        idx = torch.randint(0, config.vocab, (4, 128), device=cuda)
-        with collecting() as report:
-            loss = torch.compile(model, backend="seqfast", options=options)(idx, idx)
-            loss.backward()
-        torch._dynamo.reset()
-        return loss.detach(), [p.grad for p in model.parameters()], report
-
-    loss, grads, report = step()
+    loss, grads, report = _kernel_step()
     kernels = [u for u in report.implementations if u.implementation == "kernel"]
     called = [(u.op, u.reason) for u in kernels if "launched by the executor" not in u.reason]
     assert kernels and all("writes over an argument" in reason for _, reason in called), called
     monkeypatch.setattr(seqcompile.lower, "launches_inlined", lambda device, executor: False)
-    want_loss, want_grads, _ = step()
+    want_loss, want_grads, _ = _kernel_step()
     torch.testing.assert_close(loss, want_loss, **TOLERANCES[torch.float32])
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
@@ -94,26 +96,12 @@ def test_the_eager_executor_runs_planned_launches_that_compute_what_the_op_calls
     launched directly, `lower/planned_launches.py`); a step so run gives the loss and gradients
     of the same step calling the ops, bit for bit (the same kernels, configurations and streams,
     the rest run by the same eager ops)."""
-    config = GPTConfig(vocab=512, max_len=128, d_model=256, n_heads=4, n_layers=2, dropout=0.1)
-    families = ("attention", "norm", "loss", "pointwise")
-    options = {"rest": "eager", "implementations": {family: "kernel" for family in families}}
-
-    def step():
-        torch.manual_seed(0)
-        model = GPT(config).to(cuda)
-        idx = torch.randint(0, config.vocab, (4, 128), device=cuda)
-        with collecting() as report:
-            loss = torch.compile(model, backend="seqfast", options=options)(idx, idx)
-            loss.backward()
-        torch._dynamo.reset()
-        return loss.detach(), [p.grad for p in model.parameters()], report
-
-    loss, grads, report = step()
+    loss, grads, report = _kernel_step(rest="eager")
     kernels = [u for u in report.implementations if u.implementation == "kernel"]
     called = [(u.op, u.reason) for u in kernels if "launched from its plan" not in u.reason]
     assert kernels and all("writes over an argument" in reason for _, reason in called), called
     monkeypatch.setattr(seqcompile.lower, "launches_planned", lambda device, executor: False)
-    want_loss, want_grads, _ = step()
+    want_loss, want_grads, _ = _kernel_step(rest="eager")
     assert torch.equal(loss, want_loss)
     for got, want in zip(grads, want_grads, strict=True):
         assert torch.equal(got, want)

@@ -2,7 +2,7 @@
 CUDA): each `triton_kernel_wrapper_functional` node the launch trace left
 (`traced_launches.py`) becomes a call of a `Launch`, which launches the kernel directly.
 
-A fused call then costs, per call, the allocations and views its trace recorded and one
+A fused call then costs, per call, the allocations and the views its outputs need and one
 `kernel[grid](...)` per launch: the op's checks, layouts, kernel specs, configuration lookups and
 grids were settled when it was traced, once per call signature, and neither the higher-order op's
 dispatch nor its copies of what a kernel writes run. A kernel writes only buffers its call
@@ -12,6 +12,7 @@ functional launch does."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from triton.runtime.autotuner import Autotuner
 
 from seqcompile.codegen.launches import counted_kernel
+
+aten = torch.ops.aten
 
 __all__ = ["Launch", "launches_planned", "plan_launches"]
 
@@ -91,6 +94,7 @@ def plan_launches(traced: GraphModule) -> GraphModule:
         node.replace_all_uses_with(planned)
         graph.erase_node(node)
     _drop_views(graph)
+    _allocate_as_viewed(graph)
     return GraphModule(traced, graph)
 
 
@@ -132,6 +136,45 @@ def _drop_views(graph: Graph) -> None:
             node.replace_all_uses_with(node.args[0])
         if not node.users:
             graph.erase_node(node)
+
+
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+"""Views whose second argument is the sizes they give."""
+
+
+def _allocate_as_viewed(graph: Graph) -> None:
+    """Where a launch's output is read only through one reshape of the buffer it was given, and
+    nothing else reads that buffer, allocate the buffer in that shape: the kernel reads its
+    address alone, and the reshape (a dispatch per call) goes."""
+    for view in list(graph.nodes):
+        got = view.args[0] if view.target in RESHAPES else None
+        if not isinstance(got, Node) or got.target is not operator.getitem or len(got.users) != 1:
+            continue
+        launch, name = got.args
+        buffer = launch.args[1][name] if isinstance(launch.target, Launch) else None
+        sizes = view.args[1]
+        if (
+            not isinstance(buffer, Node)
+            or buffer.target is not aten.empty.memory_format
+            or len(buffer.users) != 1
+            or not all(isinstance(n, int) and n >= 0 for n in sizes)  # (static sizes only)
+            or not _contiguous(buffer)
+            or not _contiguous(view)
+        ):
+            continue
+        with graph.inserting_before(buffer):
+            shaped = graph.call_function(buffer.target, (list(sizes),), dict(buffer.kwargs))
+        shaped.meta.update(view.meta)
+        launch.update_arg(1, {**launch.args[1], name: shaped})
+        graph.erase_node(buffer)
+        got.meta.update(view.meta)
+        view.replace_all_uses_with(got)
+        graph.erase_node(view)
+
+
+def _contiguous(node: Node) -> bool:
+    fake = node.meta.get("val")
+    return isinstance(fake, torch.Tensor) and fake.is_contiguous() and fake.storage_offset() == 0
 
 
 def _same_layout(a: Node, b: Any) -> bool:

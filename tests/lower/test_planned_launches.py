@@ -11,13 +11,11 @@ import torch
 
 import seqcompile.lower as lower
 from seqcompile import report
-from seqcompile.codegen import counting_launches
-from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.lower.executor import Executor
 from seqcompile.lower.planned_launches import Launch, launches_planned
 from seqcompile.ops.registry import entry_of
+from tests.lower.eager_steps import eager_step
 
-CONFIG = GPTConfig(vocab=32, max_len=8, d_model=16, n_heads=2, n_layers=1, dropout=0.1)
 TRACED = torch.ops.higher_order.triton_kernel_wrapper_functional
 
 
@@ -29,37 +27,13 @@ def test_where_launches_are_planned(device, executor, planned):
     assert launches_planned(torch.device(device), executor) is planned
 
 
-def _step(monkeypatch, planned: bool):
-    """One training step of a seeded GPT with dropout on the eager executor, its launches traced
-    (`planned`: run as plans): the loss, the gradients, the launches by kernel, each graph the
-    executor was given, and the reasons the report gives."""
-    given = []
-    compile_graph = Executor.compile
-
-    def spy(self, gm, example_inputs, kind):
-        given.append(gm)
-        return compile_graph(self, gm, example_inputs, kind)
-
-    monkeypatch.setattr(Executor, "compile", spy)
-    if planned:
-        _force_plans(monkeypatch)
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    compiled = torch.compile(model, backend="seqfast", options={"rest": "eager"})
-    generator = torch.Generator().manual_seed(0)
-    with counting_launches() as launches, report.collecting() as seen:
-        loss = compiled(*toy_batch(CONFIG, 2, 8, torch.device("cpu"), generator))
-        loss.backward()
-    torch._dynamo.reset()
-    reasons = {use.reason.rsplit("; ", 1)[-1] for use in seen.implementations}
-    return loss.detach(), [p.grad for p in model.parameters()], launches.names(), given, reasons
-
-
 @pytest.mark.slow  # two GPT steps compiled under the interpreter
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "add_norm_bwd", "pointwise:forward")
 def test_a_plan_runs_what_the_traced_launches_run(interpret, monkeypatch):
-    loss, grads, launched, given, reasons = _step(monkeypatch, planned=True)
+    step = eager_step(monkeypatch, "planned")
+    reasons = {use.reason.rsplit("; ", 1)[-1] for use in step.seen.implementations}
     assert "launched from its plan" in reasons, reasons
+    given = step.given
     launches = [n for gm in given for n in gm.graph.nodes if isinstance(n.target, Launch)]
     assert launches, "the plans' launches are in the graphs the executor runs"
     for gm in given:
@@ -71,11 +45,18 @@ def test_a_plan_runs_what_the_traced_launches_run(interpret, monkeypatch):
         tensors = launch.args[1].values()
         assert not any(getattr(t, "target", None) == torch.ops.aten.expand.default for t in tensors)
     with monkeypatch.context() as traced:
-        want_loss, want_grads, want_launched, _, _ = _step(traced, planned=False)
-    assert launched == want_launched
-    assert torch.equal(loss, want_loss)
-    for got, want in zip(grads, want_grads, strict=True):
-        assert torch.equal(got, want)
+        want = eager_step(traced, "traced")
+    assert step.launched == want.launched
+    assert torch.equal(step.loss, want.loss)
+    for got, expected in zip(step.grads, want.grads, strict=True):
+        assert torch.equal(got, expected)
+
+
+def _reshapes_a_launch_output(node) -> bool:
+    viewed = node.args[0] if node.target is torch.ops.aten.view.default else None
+    return getattr(viewed, "target", None) is operator.getitem and isinstance(
+        viewed.args[0].target, Launch
+    )
 
 
 def _force_plans(monkeypatch) -> None:
@@ -91,6 +72,8 @@ def test_a_norm_runs_from_its_plan(interpret, monkeypatch):
 
     def spy(self, gm, example_inputs, kind):
         given.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        reshaped = [n for n in gm.graph.nodes if _reshapes_a_launch_output(n)]
+        assert not reshaped, "its buffer is allocated as the output is read"
         return compile_graph(self, gm, example_inputs, kind)
 
     monkeypatch.setattr(Executor, "compile", spy)

@@ -20,43 +20,20 @@ from seqcompile import report
 from seqcompile.codegen import KernelSpec, counting_launches
 from seqcompile.codegen.cache import add_entry
 from seqcompile.codegen.launches import tracing_launches
-from seqcompile.demo import GPT, GPTConfig, toy_batch
 from seqcompile.lower import traced_launches
-from seqcompile.lower.executor import Executor
 from seqcompile.ops import registry
 from seqcompile.ops.add_norm import kernels as norm
 from seqcompile.run import tuning
 from seqcompile.run.tuning import Config
+from tests.lower.eager_steps import eager_step
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = GPTConfig(vocab=32, max_len=8, d_model=16, n_heads=2, n_layers=1, dropout=0.1)
 TRACED = torch.ops.higher_order.triton_kernel_wrapper_functional
 
 
-def _step(monkeypatch, inlined: bool):
-    """One training step of a seeded GPT with dropout on the eager executor: the loss, the
-    gradients, the launches by kernel, each graph the executor was given as its call targets,
-    and the ops the report says are called as ops."""
-    given = []
-    compile_graph = Executor.compile
-
-    def spy(self, gm, example_inputs, kind):
-        given.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
-        return compile_graph(self, gm, example_inputs, kind)
-
-    monkeypatch.setattr(Executor, "compile", spy)
-    if not inlined:
-        monkeypatch.setattr(lower, "launches_inlined", lambda device, executor: False)
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    compiled = torch.compile(model, backend="seqfast", options={"rest": "eager"})
-    generator = torch.Generator().manual_seed(0)
-    with counting_launches() as launches, report.collecting() as seen:
-        loss = compiled(*toy_batch(CONFIG, 2, 8, torch.device("cpu"), generator))
-        loss.backward()
-    torch._dynamo.reset()
-    called = {use.op for use in seen.implementations if "called as an op" in use.reason}
-    return loss.detach(), [p.grad for p in model.parameters()], launches.names(), given, called
+def _called(step) -> set[str]:
+    """The ops the report says are called as ops."""
+    return {use.op for use in step.seen.implementations if "called as an op" in use.reason}
 
 
 def _opaque(targets) -> set[str]:
@@ -72,7 +49,14 @@ def _opaque(targets) -> set[str]:
 # takes the traced route wherever it compiles with the eager executor)
 @pytest.mark.kernels("attention_fwd", "add_norm_fwd", "add_norm_bwd", "pointwise:forward")
 def test_traced_launches_run_what_the_op_calls_run(interpret, monkeypatch):
-    loss, grads, launched, given, called = _step(monkeypatch, inlined=True)
+    step = eager_step(monkeypatch, "traced")
+    loss, grads, launched, given, called = (
+        step.loss,
+        step.grads,
+        step.launched,
+        step.targets(),
+        _called(step),
+    )
     assert len(given) == 2, "a forward and a backward"
     for targets in given:
         assert TRACED in targets
@@ -80,7 +64,13 @@ def test_traced_launches_run_what_the_op_calls_run(interpret, monkeypatch):
     # on CPU the loss's check of its targets reads the host; on CUDA it is a device assert
     assert called == {"linear_cross_entropy"}, called
     with monkeypatch.context() as opaque:
-        want_loss, want_grads, want_launched, kept, _ = _step(opaque, inlined=False)
+        want = eager_step(opaque, "called")
+        want_loss, want_grads, want_launched, kept = (
+            want.loss,
+            want.grads,
+            want.launched,
+            want.targets(),
+        )
     assert all(TRACED not in targets and _opaque(targets) for targets in kept)
     assert launched == want_launched
     assert torch.equal(loss, want_loss)
