@@ -22,7 +22,7 @@ from seqcompile.ops.add_norm import kernels as norm
 
 def column_sum():
     fn = kernel_function(norm.COLUMN_SUM)
-    fn[(1, 1)](torch.ones(1, 1, 4), torch.empty(1, 4), 1, 4, BLOCK_G=1, BLOCK_N=4)
+    fn[(1, 1)](torch.ones(1, 1, 4), torch.empty(4), None, None, 1, 4, K=1, BLOCK_G=1, BLOCK_N=4)
 """
 
 
