@@ -5,15 +5,16 @@ same run.
     python -m benchmarks.attention [--quick | --short] [--output benchmarks/results/<device>.md]
 
 FLOP convention, the same for every executor (FlashAttention's): the forward is two matmuls,
-4 * B * H * Lq * Lk * D, halved when causal; the backward is five matmuls (the scores recomputed,
-dV, dP, dQ, dK), 2.5x the forward, so forward + backward counts 3.5x the forward. Bias, masking,
-softmax and dropout count nothing.
+4 * B * H * Lq * Lk * D, halved when causal (or the causal triangle is read from a mask); the
+backward is five matmuls (the scores recomputed, dV, dP, dQ, dK), 2.5x the forward, so forward +
+backward counts 3.5x the forward. Bias, masking, softmax and dropout count nothing.
 
-Cases keep the tokens B * L and the hidden size H * D fixed. SDPA runs its flash backend where
-flash takes the case and torch's default choice elsewhere; its rows name the backend used. Before
-an executor is timed it is checked against SDPA: with dropout off, the largest max|a - b| / max|b|
-over the output and dq, dk, dv; with dropout on, shapes and finiteness only. "x sdpa" is
-sdpa ms / ms, so above 1 is faster than SDPA. Compile time is never timed (first calls are warm-up).
+Cases keep the tokens B * L and the hidden size H * D fixed; `--short` adds GPT-2 small's shape
+(B 8, H 12, L 1024, D 64). SDPA runs its flash backend where flash takes the case and torch's
+default choice elsewhere; its rows name the backend used. Before an executor is timed it is
+checked against SDPA: with dropout off, the largest max|a - b| / max|b| over the output and dq,
+dk, dv; with dropout on, shapes and finiteness only. "x sdpa" is sdpa ms / ms, so above 1 is
+faster than SDPA. Compile time is never timed (first calls are warm-up).
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class Case:
     heads: int
     causal: bool
     p: float
-    bias: str  # "none"; "pad": (B, 1, 1, L), 0 or -inf per key; "full": (1, H, L, L), random
+    bias: str  # "none"; "pad": (B, 1, 1, L), 0 or -inf per key; "full": (1, H, L, L), random;
+    # "tri": the causal triangle as an (L, L) boolean mask tensor, as a model's buffer holds it
 
     def flops(self, backward: bool) -> float:
         forward = 4 * self.batch * self.heads * self.length**2 * self.head_dim
-        return forward / (2 if self.causal else 1) * (3.5 if backward else 1.0)
+        halved = self.causal or self.bias == "tri"
+        return forward / (2 if halved else 1) * (3.5 if backward else 1.0)
 
     def scores_gib(self) -> float:
         """The float32 scores the eager spelling materializes."""
@@ -74,6 +77,7 @@ class Inputs:
     v: Tensor
     grad_out: Tensor  # (B, H, L, D)
     bias: Tensor | None  # (B, 1, 1, L) or (1, H, L, L), q's dtype
+    mask: Tensor | None  # (L, L) bool, True where a query attends: the "tri" case
     seed: Tensor | None  # 0-d int64, when p > 0
     future: Tensor | None  # (L, L) bool, True above the diagonal, when causal (eager's mask)
     scale: float
@@ -89,6 +93,10 @@ class Result:
 
 SHORT_GRID = [(False, 0.0, "none"), (True, 0.0, "none"), (True, 0.1, "none"), (False, 0.0, "pad")]
 """`--short`'s (causal, p, bias): SDPA's flash backend takes the first three, not the fourth."""
+GPT2 = dict(length=1024, head_dim=64, batch=8, heads=12)
+"""GPT-2 small's attention at its context and a batch of 8, which `--short` adds causal with and
+without dropout, and with dropout and the causal triangle read from a mask tensor (a model's
+buffer): beside the causal row, that row shows what the mask's block lists cost."""
 
 
 def cases(
@@ -103,14 +111,14 @@ def cases(
     if quick:
         tokens, hidden = 64, 64
         grid = [(False, 0.0, "none"), (True, 0.0, "none"), (False, 0.1, "none")]
-        grid += [(False, 0.0, "pad"), (False, 0.1, "full")]
+        grid += [(False, 0.0, "pad"), (False, 0.1, "full"), (False, 0.0, "tri")]
     elif short:
         tokens, hidden = 16384, 2048
         grid = SHORT_GRID
     else:
         tokens, hidden = 16384, 2048
         grid = [(causal, p, "none") for causal in (False, True) for p in (0.0, 0.1)]
-        grid += [(False, p, bias) for bias in ("pad", "full") for p in (0.0, 0.1)]
+        grid += [(False, p, bias) for bias in ("pad", "full", "tri") for p in (0.0, 0.1)]
     found = []
     for head_dim in head_dims:
         for length in lengths:
@@ -119,6 +127,9 @@ def cases(
                 if bias == "full" and heads * length**2 * itemsize / 2**30 > cap_gib:
                     continue  # the (1, H, L, L) bias alone passes the memory cap
                 found.append(Case(length, head_dim, tokens // length, heads, causal, p, bias))
+    if short:
+        found += [Case(**GPT2, causal=True, p=p, bias="none") for p in (0.0, 0.1)]
+        found.append(Case(**GPT2, causal=False, p=0.1, bias="tri"))
     return found
 
 
@@ -139,18 +150,21 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device) -> Inputs:
         bias = torch.where(keys < kept, 0.0, -math.inf).to(dtype)
     elif case.bias == "full":
         bias = randn((1, case.heads, case.length, case.length))
+    mask = None
+    if case.bias == "tri":
+        mask = torch.ones(case.length, case.length, dtype=torch.bool, device=device).tril()
     seed = None
     if case.p > 0:
         seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=g)
     future = None
     if case.causal:
         future = torch.ones(case.length, case.length, dtype=torch.bool, device=device).triu(1)
-    return Inputs(q, k, v, randn(shape), bias, seed, future, case.head_dim**-0.5)
+    return Inputs(q, k, v, randn(shape), bias, mask, seed, future, case.head_dim**-0.5)
 
 
 def seqfast_attention(t: Inputs, case: Case) -> Tensor:
     out, _, _ = torch.ops.seqfast.attention(
-        t.q, t.k, t.v, t.bias, None, t.seed, 0, case.p, t.scale, case.causal, -math.inf
+        t.q, t.k, t.v, t.bias, t.mask, t.seed, 0, case.p, t.scale, case.causal, -math.inf
     )
     return out
 
@@ -158,7 +172,13 @@ def seqfast_attention(t: Inputs, case: Case) -> Tensor:
 def sdpa_attention(t: Inputs, case: Case, backend: SDPBackend) -> Tensor:
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(
-            t.q, t.k, t.v, attn_mask=t.bias, dropout_p=case.p, is_causal=case.causal, scale=t.scale
+            t.q,
+            t.k,
+            t.v,
+            attn_mask=t.bias if t.mask is None else t.mask,
+            dropout_p=case.p,
+            is_causal=case.causal,
+            scale=t.scale,
         )
 
 
@@ -168,6 +188,8 @@ def eager_attention(t: Inputs, case: Case) -> Tensor:
         scores = scores + t.bias
     if t.future is not None:
         scores = scores.masked_fill(t.future, -math.inf)
+    if t.mask is not None:
+        scores = scores.masked_fill(~t.mask, -math.inf)
     prob = F.dropout(torch.softmax(scores, dim=-1), case.p)
     return prob.to(t.v.dtype) @ t.v
 
@@ -175,7 +197,7 @@ def eager_attention(t: Inputs, case: Case) -> Tensor:
 def sdpa_backend(t: Inputs, case: Case) -> SDPBackend:
     """Flash where it takes the case (asked with q, k, v requiring grad, as the timed backward
     needs), else the backend torch's default dispatch picks."""
-    args = (t.q, t.k, t.v, t.bias, case.p, case.causal)
+    args = (t.q, t.k, t.v, t.bias if t.mask is None else t.mask, case.p, case.causal)
 
     def choice() -> SDPBackend | None:
         try:
@@ -341,7 +363,8 @@ def main() -> None:
     lines += [
         f"dtype {dtype}; tokens B*L and hidden H*D fixed; measured {matmul_n}^3 matmul: "
         f"{ceiling:.3g} TFLOP/s (the 'of matmul' columns). FLOPs: forward 4*B*H*L*L*D, halved "
-        f"when causal; fwd+bwd 3.5x forward. 'x sdpa' = sdpa ms / ms. Eager skipped past "
+        f"when causal (bias 'tri': the causal triangle read from a boolean mask tensor); fwd+bwd "
+        f"3.5x forward. 'x sdpa' = sdpa ms / ms. Eager skipped past "
         f"{args.eager_cap_gib:g} GiB of float32 scores.",
         "",
     ]

@@ -44,9 +44,9 @@ TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 WIDTHS = (768, 1024, 2048, 4096, 8192)
 FLOAT32_POINTERS = {"ROW_MAX", "LOG_SUM", "DELTA", "MEAN", "RSTD", "PARTIAL"}
-UNIT = {"stride_qd", "stride_kd", "stride_vd", "GROUP"}
+UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_mask_n", "GROUP"}
 """Integers a contiguous launch passes as 1, which Triton turns into constants."""
-SCALARS = {"scale": "fp32", "eps": "fp32", "p": "fp32"}
+SCALARS = {"scale": "fp32", "eps": "fp32", "p": "fp32", "masked_value": "fp32"}
 SM90 = dict(registers=65536, shared=232448, warps=64, ctas=32, reserved_shared=1024)
 """Per-SM limits of sm_90 (H100, H200)."""
 
@@ -81,9 +81,12 @@ def attention_cases(dims, defaults_only) -> Iterator[Case]:
         "plain": {},
         "causal": {"causal": True},
         "causal, dropout": {"causal": True, "dropout": True},
+        "mask by block lists": {"mask": True, "blocks": True},
+        "mask by block lists, dropout": {"mask": True, "blocks": True, "dropout": True},
     }
     for variant, on in variants.items():
-        names = ("bias", "mask", "dropout", "causal", "window", "documents", "relative", "prefix")
+        names = ("bias", "mask", "blocks", "dropout", "causal", "window", "documents", "relative")
+        names += ("prefix",)
         flags = {name: on.get(name, False) for name in names} | {"score_mod": ()}
         specs = [attention.forward_spec(**flags)]
         specs += attention.backward_specs(bias_grad=False, rel_grad=False, **flags)[1:]
@@ -141,6 +144,10 @@ def signature(case: Case) -> tuple[dict[str, str], dict[str, object], dict]:
             types[name] = "i32"
         elif name == "SEED":
             types[name] = "*i64"
+        elif name == "MASK":
+            types[name] = "*i1"
+        elif name in ("MASK_LISTS", "MASK_COUNTS"):
+            types[name] = "*i32"
         elif name in FLOAT32_POINTERS:
             types[name] = "*fp32"
         else:

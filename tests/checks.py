@@ -150,6 +150,7 @@ def kernel_flags(**on: bool) -> dict[str, bool]:
     flags = (
         "bias",
         "mask",
+        "blocks",
         "dropout",
         "causal",
         "window",

@@ -155,6 +155,7 @@ COMPILE = textwrap.dedent(
     from seqcompile.codegen import kernel_function
 
     INTEGERS = {"N", "M", "G", "R", "H", "GROUP", "LQ", "LK", "stream", "window"}
+    INTEGERS |= {"TH", "ROWS", "COLS"}  # the mask's block lists
     FLOATS = {"eps", "p", "scale", "masked_value"}
     FLOAT_POINTERS = {"MEAN", "RSTD", "PARTIAL", "ROW_MAX", "LOG_SUM", "DELTA", "DBIAS", "DREL"}
     CONSTEXPRS = {"HEAD_DIM", "DOT_PRECISION"}
@@ -172,6 +173,8 @@ COMPILE = textwrap.dedent(
                 sig[name] = "*i64"
             elif name == "MASK":
                 sig[name] = "*i1"
+            elif name in ("MASK_LISTS", "MASK_COUNTS", "INDICES", "COUNTS"):
+                sig[name] = "*i32"
             else:
                 sig[name] = "*fp32" if name in FLOAT_POINTERS else data
         return sig
@@ -225,7 +228,8 @@ ATTENTION = textwrap.dedent(
                     DOT_PRECISION=precision)
 
     def kernel_flags(**on):
-        names = ("bias", "mask", "dropout", "causal", "window", "documents", "relative", "prefix")
+        names = ("bias", "mask", "blocks", "dropout", "causal", "window", "documents", "relative",
+                 "prefix")
         flags = {name: on.get(name, False) for name in names}
         return {**flags, "score_mod": on.get("score_mod", ())}
 
@@ -235,9 +239,11 @@ ATTENTION = textwrap.dedent(
         kernel_flags(bias=True, dropout=True, score_mod=CAP, documents=True),
         kernel_flags(mask=True, causal=True, window=True, documents=True),
         kernel_flags(mask=True, causal=True, prefix=True, relative=True, score_mod=CAP),
+        kernel_flags(mask=True, blocks=True, dropout=True),
+        kernel_flags(bias=True, mask=True, blocks=True, score_mod=CAP),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
-    for flags, (data, head_dim, precision) in zip(variants, cases + cases[:2]):
+    for flags, (data, head_dim, precision) in zip(variants, cases + cases + cases[:1]):
         constexprs = tiles(head_dim, precision)
         compile(attention.forward_spec(**flags), data, constexprs)
         grads = dict(bias_grad=flags["bias"], rel_grad=flags["relative"])
@@ -250,6 +256,8 @@ ATTENTION = textwrap.dedent(
     compile(attention.forward_spec(**every), "*bf16", {**tiles(128, "tf32"), **ones})
     for spec in attention.backward_specs(bias_grad=True, **every)[1:]:
         compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
+    # the mask's block lists at the forward's default tiles at head dim 64
+    compile(attention.BLOCKS, "*i1", dict(SKIP_EMPTY=True, BLOCK_R=128, BLOCK_C=64))
     """
 )
 
@@ -342,7 +350,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 
 def test_attention_template_variants_compile_to_hopper_cubins():
-    assert compile_for_hopper(ATTENTION).count("ok ") == 5 * 4 + 3
+    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 4 + 3 + 1
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():

@@ -4,6 +4,7 @@ PyTorch ops in float64, forward and every gradient, on small awkward shapes; mas
 rows, broadcast biases, causal, grouped-query heads and broadcast layouts, dropout, and the errors a
 caller can act on."""
 
+import itertools
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import TOLERANCES
 
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
+from seqcompile.ops.attention import kernels as attention_kernels
 from seqcompile.ops.attention import score_mods
 from seqcompile.ops.random import keep_mask_by_rows
 
@@ -402,6 +404,81 @@ def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
     assert all(launches.of(name) for name in ran), f"kernels {ran} were never launched"
     for t in (out, dq, dk, dv):
         assert t[..., :16, :].isfinite().all()
+
+
+@pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
+def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, masked_value):
+    """A causal triangle held in a tensor, over two 16-row blocks (the interpreter's tiles), so
+    the first query block never sees the second key block. NaN in the second block's queries and
+    values reaches nothing of the first block's rows (output, dq); NaN in the first block's
+    queries and incoming gradient reaches nothing of the second block's keys (dk, dv): with -inf
+    masked scores, which only a skipped block explains (a visited one multiplies a zero
+    probability by NaN). With the float32 minimum a hidden key keeps a weight (every key of a
+    wholly masked row has one), so no block is skipped and NaN reaches them all, as in eager."""
+    g = torch.Generator().manual_seed(15)
+    triangle = torch.ones(32, 32, dtype=torch.bool).tril()
+    first, second = slice(None, 16), slice(16, None)
+    finite = []
+    for poisoned, seen in ((second, first), (first, second)):
+        q, k, v = (t.detach() for t in qkv(g, 1, 2, 32, 32, 16))
+        grad = torch.randn(q.shape, generator=g)
+        q[..., poisoned, :] = math.nan
+        (v if poisoned is second else grad)[..., poisoned, :] = math.nan
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with counting_launches() as launches:
+            out, _, _ = attention(q, k, v, None, triangle, None, 0, 0.0, 0.25, False, masked_value)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        assert launches.of("attention_blocks") == 3  # the forward's, dk and dv's, dq's lists
+        reached = (out, dq) if poisoned is second else (dk, dv)
+        finite += [t[..., seen, :].isfinite().all().item() for t in reached]
+    assert finite == [masked_value == -math.inf] * 4
+
+
+@pytest.mark.parametrize(
+    "masked_value, varies", [(-math.inf, "batch"), (FLOAT32_MIN, "head")], ids=["-inf", "finfo.min"]
+)
+def test_mask_block_lists(interpret, monkeypatch, masked_value, varies):
+    """The lists the kernels walk (by query for the forward and dq, by key for dk and dv), against
+    the mask's blocks counted in torch: per row block, the blocks where every score is allowed
+    (crossing no edge), then those where some are, or any other with a finite masked value; a
+    mask varying by batch gives a list per batch, one varying by head a list per head."""
+    made = []
+    real = attention_kernels._mask_blocks
+
+    def recorded(call, rows_block, cols_block, keys=False):
+        made.append((rows_block, cols_block, keys, real(call, rows_block, cols_block, keys)))
+        return made[-1][-1]
+
+    monkeypatch.setattr(attention_kernels, "_mask_blocks", recorded)
+    g = torch.Generator().manual_seed(16)
+    b, h, lq, lk = 2, 3, 37, 21
+    mask = torch.rand((b, 1, lq, lk) if varies == "batch" else (1, h, lq, lk), generator=g) > 0.4
+    mask[..., :16, :16] = True  # full blocks, by query and by key (the interpreter's 16 x 16)
+    mask[..., 16:32, :16] = False  # empty ones
+    q, k, v = (t.requires_grad_() for t in qkv(g, b, h, lq, lk, 16))
+    out, _, _ = attention(q, k, v, None, mask, None, 0, 0.0, 0.25, False, masked_value)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [keys for *_, keys, _ in made] == [False, True, False]  # forward, dk and dv, dq
+    for rows_block, cols_block, keys, (lists, counts, stride_b, stride_h) in made:
+        grid = mask.expand(b, h, lq, lk)[:, :1] if varies == "batch" else mask[:1]
+        grid = grid.transpose(-1, -2) if keys else grid
+        row_blocks = -(-grid.shape[-2] // rows_block)
+        assert (stride_b, stride_h) == ((row_blocks, 0) if varies == "batch" else (0, row_blocks))
+        assert lists.shape[:2] == grid.shape[:2] == counts.shape[:2]
+        for (i, j, r), (full, partial) in zip(
+            itertools.product(*map(range, counts.shape[:3])),
+            counts.view(-1, 2).tolist(),
+            strict=True,
+        ):
+            blocks = grid[i, j, r * rows_block : (r + 1) * rows_block].split(cols_block, -1)
+            inside = (rows_block, cols_block)  # (the kernels bound a block crossing an edge)
+            whole = [n for n, t in enumerate(blocks) if t.all() and t.shape[-2:] == inside]
+            some = [n for n, t in enumerate(blocks) if n not in whole]
+            if masked_value == -math.inf:
+                some = [n for n in some if blocks[n].any()]
+            row = lists[i, j, r].tolist()
+            assert row[:full] == whole
+            assert sorted(row[len(row) - partial :]) == some
 
 
 @pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])

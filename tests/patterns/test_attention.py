@@ -367,7 +367,7 @@ def test_soft_capped_scores_are_capped_in_the_kernel(cap):
         return softmax_v(s.masked_fill(~keep, -math.inf), v)
 
     report = fused(fn, [*qkv(), padding()])
-    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True, score_mod=True)
 
 
 @pytest.mark.parametrize(
@@ -388,7 +388,7 @@ def test_element_wise_modifications_of_the_scores_are_computed_in_the_kernel(mod
         return softmax_v(modify(scores(q, k)).masked_fill(~keep, -math.inf), v)
 
     report = fused(fn, [*qkv(), padding()])
-    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True, score_mod=True)
     (line,) = report.sites
     assert "scores modified as " in line, line
 
@@ -453,7 +453,7 @@ def test_a_learned_factor_of_the_product_scales_q_or_k(shape, multiply, capped):
     """A tensor constant along the keys multiplies q, one constant along the queries k: the
     kernel reads them scaled, and autograd takes the factor's gradient from theirs."""
     report = fused(LearnedFactor(shape, multiply), [*qkv(), padding()])
-    assert forward_kernel_key(report) == kernel_flags(mask=True, score_mod=capped)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True, score_mod=capped)
 
 
 @pytest.mark.parametrize(
@@ -577,7 +577,7 @@ def test_t5_relative_position_buckets_are_read_per_diagonal(bidirectional, sdpa,
     gradient there; the table's gradient matches eager (checked by `fused`)."""
     report = fused(T5Attention(bidirectional, sdpa), [*qkv(lq=lq, lk=lk), padding(lk=lk)])
     assert forward_kernel_key(report) == kernel_flags(
-        mask=True, causal=not bidirectional, relative=True
+        mask=True, blocks=bidirectional, causal=not bidirectional, relative=True
     )
     (dq,) = [k for k in report.kernels if k.template == "attention_bwd_dq"]
     assert dict(dq.key)["rel_grad"] is True
@@ -732,7 +732,7 @@ def test_a_bias_of_zeros_and_a_comparison_that_keeps_every_query_are_dropped():
         return softmax_v(scores(q, k) + mask, v)
 
     report = fused(fn, [*qkv(), padding()])
-    assert forward_kernel_key(report) == kernel_flags(mask=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True)
     (line,) = report.sites
     assert f"reads a mask ({B}, 1, 1, {LK})" in line, line
 
@@ -925,7 +925,7 @@ def test_a_comparison_of_ids_along_one_axis_is_read_as_a_mask():
     doc = torch.zeros(B, LK, dtype=torch.int64)
     doc[:, -2:] = 1
     report = fused(fn, [*qkv(), doc])
-    assert forward_kernel_key(report) == kernel_flags(mask=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True)
 
 
 def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits():
@@ -943,6 +943,25 @@ def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits()
         "causal, sliding window 5, reads a mask (2, 1, 1, 40);"
         " the forward visits 5 of 9 16x16 blocks per head"
     ), line
+
+
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min], ids=["-inf", "min"])
+def test_the_report_says_a_mask_tensor_is_read_by_its_block_lists(fill):
+    """A mask that is the only thing hiding scores is read by block lists made on each call:
+    with -inf the kernels skip the blocks it hides whole, with a finite fill they visit them."""
+
+    def fn(q, k, v, keep):
+        scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, fill)
+        return scores.softmax(-1) @ v
+
+    report = fused(fn, [*qkv(lq=40, lk=40), padding(lk=40)])
+    (line,) = report.sites
+    skipped = "skip the blocks it hides whole and " if fill == -math.inf else ""
+    assert (
+        "reads a mask (2, 1, 1, 40) by block lists made on each call (the kernels"
+        f" {skipped}read it where it hides some); the forward visits 9 of 9 16x16 blocks per head"
+    ) in line, line
+    assert line.endswith(", less those the mask hides whole") == (fill == -math.inf), line
 
 
 @pytest.mark.parametrize(
@@ -973,7 +992,7 @@ def test_the_counted_blocks_and_pairs_are_those_causal_and_window_leave(lq, lk, 
     ids=["shifted_diagonal", "scaled_difference", "shifted_or_prefix", "future_only", "uint8"],
 )
 def test_a_mask_from_positions_that_is_not_causal_is_read_as_a_mask(keep):
-    assert key_where_positions_keep(keep) == kernel_flags(mask=True)
+    assert key_where_positions_keep(keep) == kernel_flags(mask=True, blocks=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1106,6 +1125,49 @@ def test_compiled_attention_runs_the_kernels_under_the_interpreter(interpret):
     }  # fmt: skip
 
 
+class BufferMasked(torch.nn.Module):
+    """Attention whose mask is a module buffer, as nanoGPT keeps its causal triangle."""
+
+    def __init__(self, length):
+        super().__init__()
+        self.register_buffer("keep", torch.ones(length, length, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        return softmax_v(scores(q, k).masked_fill(~self.keep[:n, :n], -math.inf), v)
+
+
+@pytest.mark.kernels(
+    "attention_blocks", "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv",
+    "attention_bwd_dq",
+)  # fmt: skip
+def test_a_mask_buffer_edited_in_place_is_read_as_it_is_on_each_call(interpret):
+    """The triangle a buffer holds is read by block lists made on each call: edited in place
+    into a window, then into padding, the compiled model gives eager's answer each time."""
+    length = 40
+    model = BufferMasked(length)
+    compiled = torch.compile(model, backend="seqfast")
+    q_idx, kv_idx = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    edits = {
+        "causal": model.keep.clone(),
+        "window": (kv_idx <= q_idx) & (q_idx - kv_idx < 5),
+        "padding": (kv_idx < 21).expand(length, length),
+    }
+    for name, keep in edits.items():
+        model.keep.copy_(keep)
+        q, k, v = (t.requires_grad_() for t in qkv(lq=length, lk=length, seed=len(name)))
+        with collecting() as report:
+            out = compiled(q, k, v)
+        expected = model(q, k, v)
+        torch.testing.assert_close(out, expected, msg=name)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(expected.sum(), (q, k, v))
+        torch.testing.assert_close(grads, want, msg=name)
+        if name == "causal":
+            (line,) = report.sites
+            assert "reads a mask (40, 40) by block lists" in line, line
+
+
 # ---------------------------------------------------------------------------------------------
 # masks that only look causal, and orders the kernel cannot follow
 
@@ -1146,7 +1208,7 @@ def scores(q, k):
 @pytest.mark.rotating(2)  # a sweep of spellings: half per run, in turn
 def test_a_triangle_that_is_not_causal_is_read_as_a_mask(apply):
     report = fused(lambda q, k, v: softmax_v(apply(scores(q, k), q.shape[-2]), v), qkv(6, 6))
-    assert forward_kernel_key(report) == kernel_flags(mask=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True)
 
 
 def ones(n, rows=None):

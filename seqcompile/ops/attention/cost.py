@@ -4,10 +4,13 @@ says of a call's masks."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from seqcompile.fx_utils import concrete
 from seqcompile.ops.attention import configs, score_mods
+from seqcompile.ops.attention.kernels import reads_mask_blocks
 from seqcompile.ops.fused_op import Call
 
 Tensor = torch.Tensor
@@ -54,7 +57,8 @@ def backward_flops(call: Call) -> int:
 
 def describe(call: Call) -> str | None:
     """The masks a call computes from positions or reads, and the key blocks its forward visits
-    at the traced sizes with this device's tiles (None for plain attention)."""
+    at the traced sizes with this device's tiles (None for plain attention): those a mask read
+    from a tensor hides are found on each call, so the count is what positions alone hide."""
     q, k = call.value("q"), call.value("k")
     causal = "causal" if call["prefix"] is None else "causal after a prefix (its keys seen by all)"
     kinds = ([causal] if call["causal"] else []) + (
@@ -62,9 +66,10 @@ def describe(call: Call) -> str | None:
     )
     if call["score_mod"]:
         kinds.append(f"scores modified as {score_mods.lookup(call['score_mod']).description}")
-    for name in ("mask", "bias"):
-        if call[name] is not None:
-            kinds.append(f"reads a {name} {_shape(call.value(name))}")
+    if call["mask"] is not None:
+        kinds.append(f"reads a mask {_shape(call.value('mask'))}{_mask_lists(call)}")
+    if call["bias"] is not None:
+        kinds.append(f"reads a bias {_shape(call.value('bias'))}")
     if call["rel_bias"] is not None:
         kinds.append(f"reads a bias by key - query position {_shape(call.value('rel_bias'))}")
     if call["doc_q"] is not None:
@@ -83,7 +88,17 @@ def describe(call: Call) -> str | None:
     blocks = f"the forward visits {visited} of {total} {tile} blocks per head"
     if call["prefix"] is not None:
         blocks += " besides the prefix's (as many as its lengths reach past the diagonal)"
+    if reads_mask_blocks(call) and call["masked_value"] == -math.inf:
+        blocks += ", less those the mask hides whole"
     return f"{', '.join(kinds)}; {blocks}"
+
+
+def _mask_lists(call: Call) -> str:
+    """How the kernels read a mask by its block lists, where they do."""
+    if not reads_mask_blocks(call):
+        return ""
+    skipped = "skip the blocks it hides whole and " if call["masked_value"] == -math.inf else ""
+    return f" by block lists made on each call (the kernels {skipped}read it where it hides some)"
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ def backward_specs(*, bias_grad: bool, rel_grad: bool = False, **flags: bool) ->
 
 
 DELTA = KernelSpec.of("attention_bwd_delta")
+BLOCKS = KernelSpec.of("attention_blocks")
 
 
 def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
@@ -38,6 +39,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
     return dict(
         bias=call["bias"] is not None,
         mask=call["mask"] is not None,
+        blocks=reads_mask_blocks(call),
         dropout=call["p"] > 0,
         causal=call["causal"],
         window=call["window"] > 0,
@@ -48,14 +50,26 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
     )
 
 
+def reads_mask_blocks(call: Mapping[str, Any]) -> bool:
+    """Whether the kernels walk the mask's block lists (`_mask_blocks`): a boolean mask is the
+    only thing that hides scores, so the lists say every block a program visits."""
+    hidden = call["causal"] or call["window"] > 0 or call["doc_q"] is not None
+    return call["mask"] is not None and not hidden and call["prefix"] is None
+
+
 def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
-    """The kernel an `attention` call launches (`call`: its arguments by name)."""
-    return [forward_spec(**_flags(call))]
+    """The kernels an `attention` call launches (`call`: its arguments by name): the mask's block
+    lists where it reads them, and the forward."""
+    flags = _flags(call)
+    return [BLOCKS] * flags["blocks"] + [forward_spec(**flags)]
 
 
 def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
-    """The kernels an `attention_backward` call launches: the row deltas, dk and dv, dq."""
-    return backward_specs(bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], **_flags(call))
+    """The kernels an `attention_backward` call launches: the row deltas, the mask's block lists
+    where it reads them (for dk and dv, then for dq), dk and dv, dq."""
+    flags = _flags(call)
+    specs = backward_specs(bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], **flags)
+    return specs[:1] + [BLOCKS] * flags["blocks"] + specs[1:]
 
 
 def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
@@ -65,6 +79,29 @@ def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
 def _strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Strides of `t` broadcast to the 4-D `shape` (zero along broadcast dimensions)."""
     return tuple(t.expand(shape).stride()) if t is not None else ()
+
+
+def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys=False) -> list:
+    """The mask's block lists for a kernel whose programs take `rows_block` queries (keys, with
+    `keys`) and walk blocks of `cols_block` keys (queries), as its arguments: the lists, their
+    counts, and their strides along batch and heads (0 where the mask broadcasts); none where
+    the kernels do not read them."""
+    if not reads_mask_blocks(call):
+        return []
+    q, k, mask = call["q"], call["k"], call["mask"]
+    shape = _scores_shape(q, k)
+    stride_b, stride_h, stride_m, stride_n = _strides4(mask, shape)
+    lists_b, lists_h = (shape[0] if stride_b else 1), (shape[1] if stride_h else 1)
+    rows, cols = (shape[3], shape[2]) if keys else (shape[2], shape[3])
+    stride_r, stride_c = (stride_n, stride_m) if keys else (stride_m, stride_n)
+    row_blocks, col_blocks = triton.cdiv(rows, rows_block), triton.cdiv(cols, cols_block)
+    lists = runtime.empty((lists_b, lists_h, row_blocks, col_blocks), torch.int32, q.device)
+    counts = runtime.empty((lists_b, lists_h, row_blocks, 2), torch.int32, q.device)
+    kernel_function(BLOCKS)[(lists_b * lists_h * row_blocks,)](
+        mask, lists, counts, stride_b, stride_h, stride_r, stride_c, lists_h, rows, cols,
+        SKIP_EMPTY=call["masked_value"] == -math.inf, BLOCK_R=rows_block, BLOCK_C=cols_block,
+    )  # fmt: skip
+    return [lists, counts, lists_h * row_blocks if lists_b > 1 else 0, row_blocks * (lists_h > 1)]
 
 
 def _launch(spec: KernelSpec, q: Tensor, k: Tensor, grid_of, launch, repeatable=True) -> None:
@@ -124,12 +161,13 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, seed, stream, p, **others: Any):
         return out, row_max, log_sum
     if k.shape[2] == 0:  # no keys: every row is empty
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
-    (spec,) = forward_kernels_of(arguments)
+    spec = forward_kernels_of(arguments)[-1]
     pointers, scalars = _common_args(**arguments)
     _launch(
         spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
         lambda c, grid: kernel_function(spec)[grid](
-            q, k, v, *pointers, *([seed] if p > 0 else []), out, row_max, log_sum,
+            q, k, v, *pointers, *_mask_blocks(arguments, c["BLOCK_M"], c["BLOCK_N"]),
+            *([seed] if p > 0 else []), out, row_max, log_sum,
             *scalars, *((p, stream) if p > 0 else ()),
             HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **c.launch_options(),
         ),
@@ -169,14 +207,15 @@ def backward(**arguments: Any):
     return dq, _as_dtype(dk, k.dtype), dv, dbias, drel
 
 
-def _bias_grads(
-    *, q, k, causal, window, doc_q, bias_grad, rel_grad, **_
-) -> tuple[Tensor | None, Tensor | None]:
+def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
     """The float32 gradients the dq kernel writes where asked for (None elsewhere): the bias's at
     the scores' size, the relative bias's per (batch, head, diagonal)."""
+    q, k, causal, window, doc_q = (call[n] for n in ("q", "k", "causal", "window", "doc_q"))
+    bias_grad, rel_grad = call["bias_grad"], call["rel_grad"]
     dbias_full = None
     if bias_grad:
         skips = causal or window > 0 or doc_q is not None  # (a prefix is causal's)
+        skips = skips or (reads_mask_blocks(call) and call["masked_value"] == -math.inf)
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
         dbias_full = make(_scores_shape(q, k), dtype=torch.float32, device=q.device)
     drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
@@ -200,7 +239,7 @@ def _launch_backward(
         grad_out, call["out"], delta, b * h * lq,
         HEAD_DIM=d, BLOCK_D=configs.block_d(d), BLOCK_R=block_r,
     )  # fmt: skip
-    _delta, dkdv_spec, dq_spec = backward_kernels_of(call)
+    dkdv_spec, dq_spec = backward_kernels_of(call)[-2:]
     pointers, scalars = _common_args(**call)
     seed_args = [call["seed"]] if p > 0 else []
     dropout_args = (p, call["stream"]) if p > 0 else ()
@@ -209,14 +248,16 @@ def _launch_backward(
     _launch(
         dkdv_spec, q, k, lambda c: (triton.cdiv(lk, c["BLOCK_N"]) * b * kv_heads,),
         lambda c, grid: kernel_function(dkdv_spec)[grid](
-            q, k, v, *pointers, *seed_args, *rows, dk, dv, *scalars, *dropout_args,
+            q, k, v, *pointers, *_mask_blocks(call, c["BLOCK_N"], c["BLOCK_M"], keys=True),
+            *seed_args, *rows, dk, dv, *scalars, *dropout_args,
             **constants, **c.launch_options(),
         ),
     )  # fmt: skip
     _launch(
         dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
         lambda c, grid: kernel_function(dq_spec)[grid](
-            q, k, v, *pointers, *seed_args, *rows, dq, *(t for t in bias_grads if t is not None),
+            q, k, v, *pointers, *_mask_blocks(call, c["BLOCK_M"], c["BLOCK_N"]), *seed_args,
+            *rows, dq, *(t for t in bias_grads if t is not None),
             *scalars, *dropout_args, **constants, **c.launch_options(),
         ),
         repeatable=bias_grads[-1] is None,  # the relative bias's gradient is added atomically

@@ -126,6 +126,7 @@ def _features(g) -> Iterator[Sample]:
     padding = torch.rand((b, 1, 1, lk), generator=g) > 0.3
     padding[1] = False
     yield _sample("padding-causal", _call(g, **batched, mask=padding, causal=True))
+    yield from _block_masks(g)
     yield _sample("plain", _call(g, **BASE))
     yield _sample("grouped-heads", _call(g, **BASE, kv_heads=1, causal=True))
     square = {**BASE, "lk": BASE["lq"]}  # (what SDPA's flash kernels take causal)
@@ -146,3 +147,26 @@ def _features(g) -> Iterator[Sample]:
         _call(g, b, h, length, length, d, causal=True, window=3, doc_q=ids[..., None],
               doc_kv=ids[..., None, :]),
     )  # fmt: skip
+
+
+BLOCKED = dict(b=2, h=2, lq=33, lk=35, d=16)
+"""Three blocks of the interpreter's 16-row tiles each way, the last one partial."""
+
+
+def _block_masks(g) -> Iterator[Sample]:
+    """Masks with blocks the kernels skip, read whole or read in part: the causal triangle kept
+    in a buffer (with -inf, and with the float32 minimum, where no block is skipped), and
+    padding masks by sequence length, one sequence padded wholly."""
+    b, h, lq, lk, d = BLOCKED.values()
+    triangle = torch.ones(lq, lk, dtype=torch.bool).tril()
+    yield _sample("triangle-mask", _call(g, **BLOCKED, mask=triangle))
+    yield _sample(
+        "triangle-mask-finfo-min", _call(g, **BLOCKED, mask=triangle, masked_value=FLOAT32_MIN)
+    )
+    lengths = torch.tensor([lk - 3, 0]).view(b, 1, 1, 1)
+    padding = torch.arange(lk) < lengths
+    yield _sample("padding-mask", _call(g, **BLOCKED, mask=padding))
+    per_head = torch.rand((1, h, lq, lk), generator=g) > 0.5
+    per_head[:, 0, :16] = True  # one head's first row block sees every key
+    per_head[:, 1, :, 16:32] = False  # the other's middle key block is hidden
+    yield _sample("head-mask-blocks", _call(g, **BLOCKED, mask=per_head))
