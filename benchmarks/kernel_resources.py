@@ -6,7 +6,9 @@ registers per thread and spilled bytes (`ptxas -v`), shared memory, the CTAs and
 one SM, and in the main loop (the one with the most matrix products, from `nvdisasm`; among
 equals the shortest, which is the loop over whole blocks where a kernel splits off its edge blocks)
 the instructions per iteration, how many are wgmma or mma.sync, and (attention) the instructions all
-threads issue per score.
+threads issue per score, there and in the edge loop (among those equals the longest: the blocks of
+the diagonal and the last keys, or those a mask read from a tensor hides in part; the blocks it
+hides whole cost nothing, being skipped).
 
     python -m benchmarks.kernel_resources [--quick] [--defaults] [--head-dims 64,128,256]
         [--output FILE]
@@ -72,6 +74,7 @@ class Resources:
     warps: int
     ctas: int
     loop: int
+    edge_loop: int
     wgmma: int
     mma: int
 
@@ -173,11 +176,11 @@ def compile_case(case: Case, folder: Path) -> Resources:
     verbose = _tool("ptxas", "-v", "--gpu-name", "sm_90a", "-o", os.devnull, str(ptx))
     registers = int(re.search(r"Used (\d+) registers", verbose).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", verbose).group(1))
-    loop, wgmma, mma = main_loop(_tool("nvdisasm", "-c", str(cubin)))
+    (loop, wgmma, mma), edge_loop = main_loops(_tool("nvdisasm", "-c", str(cubin)))
     warps = kernel.metadata.num_warps
     shared = kernel.metadata.shared
     ctas = resident_ctas(registers, warps, shared)
-    return Resources(registers, spilled, shared, warps, ctas, loop, wgmma, mma)
+    return Resources(registers, spilled, shared, warps, ctas, loop, edge_loop, wgmma, mma)
 
 
 def resident_ctas(registers: int, warps: int, shared: int) -> int:
@@ -189,10 +192,11 @@ def resident_ctas(registers: int, warps: int, shared: int) -> int:
     return min(by_registers, by_shared, SM90["warps"] // warps, SM90["ctas"])
 
 
-def main_loop(sass: str) -> tuple[int, int, int]:
+def main_loops(sass: str) -> tuple[tuple[int, int, int], int]:
     """Instructions in the loop with the most matrix products, the shortest among equals (backward
     branches of the listing, innermost taken as is), and how many of them are wgmma (HGMMA) and
-    mma.sync (HMMA). A kernel without a loop counts its whole listing."""
+    mma.sync (HMMA); and the instructions of the longest among those equals. A kernel without a
+    loop counts its whole listing."""
     lines = sass.splitlines()
     labels = {
         m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", line))
@@ -212,20 +216,19 @@ def main_loop(sass: str) -> tuple[int, int, int]:
             sum(" HMMA" in line for line in body),
         )
 
-    return max(
-        (counts(span) for span in loops[1:]),
-        key=lambda c: (c[1] + c[2], -c[0]),
-        default=counts(loops[0]),
-    )
+    found = [counts(span) for span in loops[1:]] or [counts(loops[0])]
+    main = max(found, key=lambda c: (c[1] + c[2], -c[0]))
+    edge = max(c[0] for c in found if c[1] + c[2] == main[1] + main[2])
+    return main, edge
 
 
-def per_score(config: Config, found: Resources) -> float | str:
-    """Instructions all threads issue per score in an attention loop iteration (a BLOCK_M x
-    BLOCK_N tile): comparable across tiles and warps."""
+def per_score(config: Config, found: Resources, loop: int) -> float | str:
+    """Instructions all threads issue per score in an iteration of an attention loop of `loop`
+    instructions (a BLOCK_M x BLOCK_N tile): comparable across tiles and warps."""
     blocks = dict(config.blocks)
     if "BLOCK_M" not in blocks:
         return "-"
-    return found.loop * found.warps * 32 / (blocks["BLOCK_M"] * blocks["BLOCK_N"])
+    return loop * found.warps * 32 / (blocks["BLOCK_M"] * blocks["BLOCK_N"])
 
 
 def _tool(name: str, *args: str) -> str:
@@ -260,9 +263,9 @@ def main() -> None:
                 found = compile_case(case, Path(folder))
                 cells += [found.registers, found.spilled, found.shared, found.ctas]
                 cells += [found.ctas * found.warps, found.loop, found.wgmma, found.mma]
-                cells.append(per_score(case.config, found))
+                cells += [per_score(case.config, found, n) for n in (found.loop, found.edge_loop)]
             except Exception as error:  # reported in its row, the run goes on  # noqa: BLE001
-                cells += [f"FAILED: {brief(error, 80)}", *["-"] * 8]
+                cells += [f"FAILED: {brief(error, 80)}", *["-"] * 9]
             rows.append(cells)
             progress(cells)
     lines = header(
@@ -279,7 +282,7 @@ def main() -> None:
     ]
     columns = ["kernels", "kernel", "dtype", "size", "config", "registers", "spilled bytes"]
     columns += ["shared bytes", "CTAs / SM", "warps / SM", "loop instructions", "wgmma", "mma.sync"]
-    columns += ["per score"]
+    columns += ["per score", "per score, edge blocks"]
     lines += table(columns, rows)
     emit(lines, args.output)
     failed = sum(str(row[5]).startswith("FAILED") for row in rows)

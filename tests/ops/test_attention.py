@@ -435,7 +435,9 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, masked_valu
 
 
 @pytest.mark.parametrize(
-    "masked_value, varies", [(-math.inf, "batch"), (FLOAT32_MIN, "head")], ids=["-inf", "finfo.min"]
+    "masked_value, varies",
+    [(-math.inf, "batch"), pytest.param(FLOAT32_MIN, "head", marks=pytest.mark.slow)],
+    ids=["-inf", "finfo.min"],
 )
 def test_mask_block_lists(interpret, monkeypatch, masked_value, varies):
     """The lists the kernels walk (by query for the forward and dq, by key for dk and dv), against

@@ -1137,6 +1137,7 @@ class BufferMasked(torch.nn.Module):
         return softmax_v(scores(q, k).masked_fill(~self.keep[:n, :n], -math.inf), v)
 
 
+@pytest.mark.slow  # three compiled steps under the interpreter
 @pytest.mark.kernels(
     "attention_blocks", "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv",
     "attention_bwd_dq",
