@@ -178,7 +178,7 @@ bench step_profile 90 step_profile "$size"
 bench train_step 150 train_step "$size" --modes default
 
 # ---------------------------------------------------------------------------------------------
-# 3. the GPU test tier: tests/test_gpu.py (138 tests) and every registry sample on CUDA (107). Its
+# 3. the GPU test tier: tests/test_gpu.py (138 tests) and every registry sample on CUDA (111). Its
 # kernels take ~0.5-3 s each to compile (first launch) and it compiles a few hundred, ~8
 # CPU-minutes in all; the longest test, plan_batch's, plans twice (~100 s each on this project's
 # 2-core CPU host) before it trains. pytest-xdist spreads them over 12 processes (16 cores), the
