@@ -138,9 +138,9 @@ def test_t5_reads_its_relative_position_bias_per_diagonal(implementation):
     assert {frozenset(k.items()) for k in keys} == {
         frozenset(kernel_flags(**flags).items())
         for flags in (
-            dict(mask=True, relative=True),  # encoder self-attention
+            dict(mask=True, blocks=True, relative=True),  # encoder self-attention
             dict(causal=True, relative=True),  # decoder self-attention
-            dict(mask=True),  # cross-attention
+            dict(mask=True, blocks=True),  # cross-attention: the padding mask by its lists
         )
     }, keys
     torch.testing.assert_close(loss, expected)
