@@ -464,9 +464,10 @@ def test_mask_block_lists(interpret, monkeypatch, masked_value, varies):
     for rows_block, cols_block, keys, (lists, counts, stride_b, stride_h) in made:
         grid = mask.expand(b, h, lq, lk)[:, :1] if varies == "batch" else mask[:1]
         grid = grid.transpose(-1, -2) if keys else grid
-        row_blocks = -(-grid.shape[-2] // rows_block)
+        row_blocks, col_blocks = -(-grid.shape[-2] // rows_block), -(-grid.shape[-1] // cols_block)
         assert (stride_b, stride_h) == ((row_blocks, 0) if varies == "batch" else (0, row_blocks))
-        assert lists.shape[:2] == grid.shape[:2] == counts.shape[:2]
+        lists = lists[:-1].view(*grid.shape[:2], row_blocks, col_blocks)  # (one element over)
+        counts = counts[:-1].view(*grid.shape[:2], row_blocks, 2)
         for (i, j, r), (full, partial) in zip(
             itertools.product(*map(range, counts.shape[:3])),
             counts.view(-1, 2).tolist(),

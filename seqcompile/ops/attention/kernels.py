@@ -83,9 +83,10 @@ def _strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys=False) -> list:
     """The mask's block lists for a kernel whose programs take `rows_block` queries (keys, with
-    `keys`) and walk blocks of `cols_block` keys (queries), as its arguments: the lists, their
-    counts, and their strides along batch and heads (0 where the mask broadcasts); none where
-    the kernels do not read them."""
+    `keys`) and walk blocks of `cols_block` keys (queries), as its arguments: the lists and their
+    counts (flat, a row block's list as long as there are column blocks), their strides along
+    batch and heads in row blocks (0 where the mask broadcasts); none where the kernels do not
+    read them."""
     if not reads_mask_blocks(call):
         return []
     q, k, mask = call["q"], call["k"], call["mask"]
@@ -95,8 +96,10 @@ def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys
     rows, cols = (shape[3], shape[2]) if keys else (shape[2], shape[3])
     stride_r, stride_c = (stride_n, stride_m) if keys else (stride_m, stride_n)
     row_blocks, col_blocks = triton.cdiv(rows, rows_block), triton.cdiv(cols, cols_block)
-    lists = runtime.empty((lists_b, lists_h, row_blocks, col_blocks), torch.int32, q.device)
-    counts = runtime.empty((lists_b, lists_h, row_blocks, 2), torch.int32, q.device)
+    # flat (batch, head, row block, column block) and one element over: at symbolic sizes a
+    # dimension that may be 1 makes a trace decide on it (torch's contiguity test asks)
+    lists = runtime.empty((lists_b * lists_h * row_blocks * col_blocks + 1,), torch.int32, q.device)
+    counts = runtime.empty((lists_b * lists_h * row_blocks * 2 + 1,), torch.int32, q.device)
     kernel_function(BLOCKS)[(lists_b * lists_h * row_blocks,)](
         mask, lists, counts, stride_b, stride_h, stride_r, stride_c, lists_h, rows, cols,
         SKIP_EMPTY=call["masked_value"] == -math.inf, BLOCK_R=rows_block, BLOCK_C=cols_block,
