@@ -2,14 +2,20 @@
 Philox4x32-10 generator, bit-identical to `philox_uniform` in the kernel templates, so the reference
 implementation and the kernels drop the same elements.
 
-The stream: the element at offset `o` takes word `o % 4` of the Philox block whose counter is
+The flat stream: the element at offset `o` takes word `o % 4` of the Philox block whose counter is
 (`o // 4` low word, `o // 4` high word, `stream`, 0) under the 64-bit key `seed`, and its top 24
 bits as a float in [0, 1). One Philox evaluation gives the numbers of four neighbouring offsets.
 A pointwise region numbers its elements by flat index; row-wise kernels (attention's scores, the
 norms) number the element at column `c` of row `r` as `r * padded_width(n) + c`, so every row
-starts a block and one evaluation serves four neighbouring columns of any width."""
+starts a block and one evaluation serves four neighbouring columns of any width.
+
+A grid of counters (`grid_words`): the block on the counter (z, i, stream, j) for every plane z,
+row i and column j of a grid; an operator maps its elements onto the grid's words (attention:
+`ops/attention/dropout.py`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -64,6 +70,31 @@ def written_out(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     flat = torch.stack(words, dim=-1).flatten()
     flat = flat[:count] if count % WORDS else flat
     return (flat >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def grid_words(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
+    """The four words of the block on the counter (z, i, stream, j) for z < planes, i < rows and
+    j < cols, as int32 (the words' bits): (planes, rows, cols, 4). On CPU from the C function where
+    this machine compiles it, else written out in torch integer ops."""
+    if seed.device.type == "cpu" and random_native.available():
+        return torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream)
+    return grid_written_out(seed, planes, rows, cols, stream)
+
+
+def grid_written_out(
+    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int
+) -> torch.Tensor:
+    """`grid_words` in torch integer ops, on any device."""
+    shape = (planes, rows, cols)
+    arange = functools.partial(torch.arange, device=seed.device, dtype=torch.int64)
+    counter = (
+        arange(planes)[:, None, None].expand(shape),
+        arange(rows)[:, None].expand(shape),
+        torch.full(shape, stream & _M32, device=seed.device, dtype=torch.int64),
+        arange(cols).expand(shape),
+    )
+    words = torch.stack(philox_words(seed, counter), dim=-1)
+    return words.to(torch.int32)  # the low 32 bits of each
 
 
 def keep_mask(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> torch.Tensor:

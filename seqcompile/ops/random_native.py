@@ -1,7 +1,8 @@
-"""The dropout stream's numbers on CPU from a small C function (`philox.c`), as one op,
-`seqfast::philox_uniforms`.
+"""The dropout streams' Philox blocks on CPU from small C functions (`philox.c`), as ops:
+`seqfast::philox_uniforms` (the flat stream's numbers) and `seqfast::philox_grid` (the words of a
+grid of counters, attention's stream).
 
-Written out in ATen, the stream is some 150 integer operations per dropout site, and Inductor
+Written out in ATen, a stream is some 150 integer operations per dropout site, and Inductor
 generates, fuses and compiles C++ for all of them at every site: most of a CPU compile's time
 where the model has dropout. As this op, a traced graph holds one call per site, which Inductor
 leaves opaque. The C file is compiled once per machine into the kernel cache folder (named by the
@@ -76,9 +77,11 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.warning("seqfast: the CPU dropout stream did not compile (%s); written out", detail)
         return None
-    function = library.seqfast_philox_uniforms
-    function.argtypes = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_void_p)
-    function.restype = None
+    pointer, uint32, int64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
+    library.seqfast_philox_uniforms.argtypes = (pointer, uint32, int64, pointer)
+    library.seqfast_philox_grid.argtypes = (pointer, uint32, int64, int64, int64, pointer)
+    for function in (library.seqfast_philox_uniforms, library.seqfast_philox_grid):
+        function.restype = None
     return library
 
 
@@ -91,12 +94,7 @@ def available() -> bool:
 def philox_uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     """The stream's first `count` numbers under the int64 `seed` (a CPU tensor of one element),
     as `ops.random.uniforms` defines them."""
-    library = _library()
-    if library is None or seed.device.type != "cpu" or seed.numel() != 1:
-        raise RuntimeError(
-            "seqfast::philox_uniforms runs on CPU, on a one-element seed, where available()"
-        )
-    seed = seed.to(torch.int64).contiguous()
+    library, seed = _checked("philox_uniforms", seed)
     out = torch.empty(count, dtype=torch.float32)
     library.seqfast_philox_uniforms(seed.data_ptr(), stream & 0xFFFFFFFF, count, out.data_ptr())
     return out
@@ -105,3 +103,30 @@ def philox_uniforms(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor
 @philox_uniforms.register_fake
 def _(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     return seed.new_empty((count,), dtype=torch.float32)
+
+
+@torch.library.custom_op("seqfast::philox_grid", mutates_args=())
+def philox_grid(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
+    """The words of the blocks on the counters (z, i, stream, j) under the int64 `seed` (a CPU
+    tensor of one element), as `ops.random.grid_words` defines them: int32, (planes, rows, cols,
+    4)."""
+    library, seed = _checked("philox_grid", seed)
+    out = torch.empty((planes, rows, cols, 4), dtype=torch.int32)
+    library.seqfast_philox_grid(
+        seed.data_ptr(), stream & 0xFFFFFFFF, planes, rows, cols, out.data_ptr()
+    )
+    return out
+
+
+@philox_grid.register_fake
+def _(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
+    return seed.new_empty((planes, rows, cols, 4), dtype=torch.int32)
+
+
+def _checked(op: str, seed: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and the seed as the C functions read it, or the error of a call they cannot
+    serve."""
+    library = _library()
+    if library is None or seed.device.type != "cpu" or seed.numel() != 1:
+        raise RuntimeError(f"seqfast::{op} runs on CPU, on a one-element seed, where available()")
+    return library, seed.to(torch.int64).contiguous()

@@ -16,7 +16,7 @@ import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
 from seqcompile.ops.attention import kernels as attention_kernels
 from seqcompile.ops.attention import score_mods
-from seqcompile.ops.random import keep_mask_by_rows
+from seqcompile.ops.attention.dropout import keep_mask
 
 attention = torch.ops.seqfast.attention
 FLOAT32_MIN = torch.finfo(torch.float32).min
@@ -100,7 +100,7 @@ def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     keep = None
     if p > 0:
-        keep = keep_mask_by_rows(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
+        keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
     names = ["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"] * (rel_bias is not None)
     by_name = dict(zip(names, doubles, strict=True))
     expected, s = composed(
@@ -598,11 +598,13 @@ def eye_values(b, h, lk):
     return torch.eye(lk).expand(b, h, lk, lk).contiguous()
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("p", [0.1, 0.5, 13109 / 131072 - 1e-10], ids=["0.1", "0.5", "half-step"])
 @pytest.mark.kernels("attention_fwd")
 def test_dropout_keep_ratio_and_scaling(impl, p):
+    """The kernels keep exactly the reference's scores, on sizes that cut tiles and Philox blocks
+    (odd, not multiples of 8 or 16), at a p whose threshold float32 rounds up (`half-step`)."""
     # the reference is cheap on a big tensor; the interpreter runs the kernels on a moderate one
-    b, h, lq, lk = (1, 4, 128, 128) if impl == "reference" else (1, 2, 32, 64)
+    b, h, lq, lk = (1, 4, 128, 128) if impl == "reference" else (2, 2, 37, 45)
     g = torch.Generator().manual_seed(9)
     q, k = randn(g, b, h, lq, lk, grad=False), randn(g, b, h, lk, lk, grad=False)
     v = eye_values(b, h, lk)
@@ -614,10 +616,43 @@ def test_dropout_keep_ratio_and_scaling(impl, p):
     n = kept.numel()
     sigma = math.sqrt(p * (1 - p) / n)
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * sigma
-    assert torch.equal(kept, keep_mask_by_rows(seed, torch.Size((b, h, lq, lk)), stream, p))
+    assert torch.equal(kept, keep_mask(seed, torch.Size((b, h, lq, lk)), stream, p))
     torch.testing.assert_close(
         out[kept].double(), prob[kept] / (1 - p), **TOLERANCES[torch.float32]
     )
+
+
+@pytest.mark.kernels("attention_fwd")
+def test_dropout_keeps_a_number_equal_to_the_threshold_only(interpret):
+    """p put half a step either side of a number some score draws: rounded to nearest, the
+    threshold is that number (the score kept) or the one above it (dropped); a kernel that
+    truncates p or compares strictly keeps another set."""
+    b, h, lq, lk = 1, 2, 21, 19
+    seed, stream = torch.tensor(4242, dtype=torch.int64), 6
+    shape = torch.Size((b, h, lq, lk))
+    # a number some score draws: where the masks of two neighbouring thresholds differ
+    masks = [keep_mask(seed, shape, stream, t / 65536) for t in range(20000, 20400)]
+    step = 20000 + next(t for t in range(399) if not torch.equal(masks[t], masks[t + 1]))
+    g = torch.Generator().manual_seed(12)
+    q, k = randn(g, b, h, lq, lk, grad=False), randn(g, b, h, lk, lk, grad=False)
+    for p in ((step - 0.4) / 65536, (step + 0.6) / 65536):
+        out, _, _ = attention(
+            q, k, eye_values(b, h, lk), None, None, seed, stream, p, 1.0, False, -math.inf
+        )
+        assert torch.equal(out != 0, keep_mask(seed, shape, stream, p)), p
+
+
+@pytest.mark.kernels("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq")
+def test_dropout_whose_p_rounds_to_1_drops_everything(impl):
+    """p within 2^-17 of 1 takes the threshold 2^16, which no number reaches: every output and
+    gradient is zero (the kernels' threshold, shifted into a word's high half, wraps there)."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (randn(g, 1, 2, 20, 16) for _ in range(3))
+    seed = torch.tensor(5, dtype=torch.int64)
+    out, _, _ = attention(q, k, v, None, None, seed, 1, 1 - 1e-7, 0.25, True, -math.inf)
+    assert not out.any()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(not g.any() for g in grads)
 
 
 def test_dropout_backward_drops_what_the_forward_dropped(impl):
@@ -748,6 +783,8 @@ def _error_cases():
             "mask of shape .* does not broadcast",
         ),
         "dropout without a seed": (dict(base, p=0.1), "p > 0 needs a seed"),
+        "dropout above 1": (dict(base, p=1.5, seed=seed), r"p must be in \[0, 1\], got 1.5"),
+        "dropout below 0": (dict(base, p=-0.1, seed=seed), r"p must be in \[0, 1\], got -0.1"),
         "head dim over 256": (
             dict(base, **{n: torch.randn(1, 1, 3, 264) for n in ("q", "k", "v")}),
             "head dim 264 > 256",

@@ -232,3 +232,10 @@ def test_reference_outputs_are_contiguous_like_the_fake_ones():
         0, 0.0, False, torch.float32, torch.float32, None, None,
     )  # fmt: skip
     assert all(t.is_contiguous() for t in grads)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+def test_a_dropout_p_outside_0_1_is_refused(p):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
+        add_norm(x, None, None, None, None, torch.tensor(1), 0, p, 1e-5, False, x.dtype, x.dtype)

@@ -1,10 +1,12 @@
-"""The dropout stream: Philox4x32-10 against the published known-answer vectors, four elements per
+"""The dropout streams: Philox4x32-10 against the published known-answer vectors, four elements per
 evaluation in the reference, and the kernels drawing the reference's numbers: one evaluation per
 element at any offset (the counter's high word included), and four per evaluation on a tile or a
-row whose starts allow it."""
+row whose starts allow it; the grid of counters and attention's stream read from it (the
+attention kernels' draws are tested with the op, in tests/ops/test_attention.py)."""
 
 import importlib.util
 import logging
+import math
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.render import _env
 from seqcompile.ops import random_native
+from seqcompile.ops.attention import dropout
 from seqcompile.ops.random import (
+    grid_words,
+    grid_written_out,
     keep_mask,
     keep_mask_by_rows,
     padded_width,
@@ -183,6 +188,59 @@ def test_the_c_stream_draws_the_written_out_numbers():
     torch.library.opcheck(torch.ops.seqfast.philox_uniforms, (torch.tensor([7]), 37, 2))
 
 
+def test_the_c_grid_draws_the_written_out_words():
+    """Grids around the C function's 16-column steps, seeds with their high bits set, streams
+    using all 32 bits: the same words bit for bit, each that of its counter (z, i, stream, j)."""
+    if not random_native.available():
+        pytest.skip("no C compiler on this machine")
+    for seed, (planes, rows, cols), stream in [
+        (0, (1, 1, 1), 0),
+        (2**62 - 1, (2, 3, 17), 2**31 + 1),
+        (0x1234_5678_9ABC_DEF0 % 2**62, (3, 5, 33), 2**32 - 1),
+        (7, (0, 4, 4), 3),
+    ]:
+        seed = torch.tensor(seed)
+        drawn = torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream)
+        assert drawn.shape == (planes, rows, cols, 4) and drawn.dtype == torch.int32
+        assert torch.equal(drawn, grid_written_out(seed, planes, rows, cols, stream))
+    seed = torch.tensor(99)
+    words = grid_words(seed, 2, 3, 5, 4)
+    counter = tuple(torch.tensor([c]) for c in (1, 2, 4, 4))  # (z, i, stream, j) of [1, 2, 4]
+    assert [int(w) & 0xFFFFFFFF for w in words[1, 2, 4]] == [
+        int(w) for w in philox_words(seed, counter)
+    ]
+    torch.library.opcheck(torch.ops.seqfast.philox_grid, (torch.tensor([7]), 2, 3, 5, 1))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 45), (1, 16, 16), (5, 1), (2, 0, 3), (17, 40)])
+def test_attentions_stream_is_what_its_module_says(shape):
+    """Each score's number, found one by one from the grid as `ops/attention/dropout.py` words
+    it, against the keep mask (which reshapes the grid at once); odd sizes cut the last tiles."""
+    seed, stream, p = torch.tensor(2**61 + 5), 11, 0.3
+    shape = torch.Size(shape)
+    mask = dropout.keep_mask(seed, shape, stream, p)
+    assert mask.shape == shape and mask.dtype == torch.bool
+    *lead, lq, lk = shape
+    planes = math.prod(lead)
+    words = grid_words(seed, planes, -(-lq // 16) * 8, -(-lk // 16) * 4, stream).long() & 0xFFFFFFFF
+    z, r, c = torch.meshgrid(
+        torch.arange(planes), torch.arange(lq), torch.arange(lk), indexing="ij"
+    )
+    word = words[z, r // 16 * 8 + r % 8, c // 16 * 4 + c % 8 // 2, 2 * (r // 8 % 2) + c // 8 % 2]
+    number = torch.where(c % 2 == 1, word >> 16, word & 0xFFFF)
+    assert torch.equal(mask.reshape(planes, lq, lk), number >= dropout.threshold(p))
+    if mask.numel() > 1000:
+        assert abs(mask.float().mean().item() - (1 - p)) < 0.03
+
+
+def test_attentions_threshold_rounds_p_as_the_kernels_receive_it():
+    """p in float32, times 2^16, to nearest: a float64 p just below a half-step rounds up in
+    float32 and so takes the step above, as the kernels (given p in float32) do."""
+    assert dropout.threshold(0.5) == 32768 and dropout.threshold(0.1) == 6554
+    assert dropout.threshold(13109 / 131072 - 1e-10) == 6555  # 6554.5 in float32
+    assert dropout.threshold(1e-9) == 0 and dropout.threshold(1 - 1e-9) == 65536
+
+
 def test_a_cpu_trace_keeps_the_stream_as_one_call():
     """What Inductor compiles on CPU: the stream one opaque call, not Philox's rounds."""
     if not random_native.available():
@@ -191,6 +249,10 @@ def test_a_cpu_trace_keeps_the_stream_as_one_call():
     graph = make_fx(lambda s: keep_mask_by_rows(s, torch.Size((4, 6)), 2, 0.1))(seed).graph
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.seqfast.philox_uniforms.default) == 1
+    assert torch.ops.aten.bitwise_xor.Tensor not in targets
+    attention = make_fx(lambda s: dropout.keep_mask(s, torch.Size((2, 20, 30)), 2, 0.1))(seed)
+    targets = [n.target for n in attention.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.seqfast.philox_grid.default) == 1
     assert torch.ops.aten.bitwise_xor.Tensor not in targets
 
 

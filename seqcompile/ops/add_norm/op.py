@@ -29,6 +29,8 @@ forward's other tensors only the weight: the dtypes of the rest."""
 
 
 def _forward(call: Call) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not 0 <= call["p"] <= 1:
+        raise ValueError(f"seqfast::add_norm: dropout p must be in [0, 1], got {call['p']}")
     if call["p"] > 0 and call["seed"] is None:
         raise ValueError("seqfast::add_norm: dropout p > 0 needs a seed tensor")
     impl = kernels.forward if runtime.use_kernels(call["x"]) else reference.forward

@@ -115,6 +115,8 @@ def _checked_layout(*, q, k, v, bias, mask, seed, p, window, **more) -> Layout:
         raise ValueError(f"seqfast::attention: mask must be bool, got {mask.dtype}")
     if bias is not None and not bias.is_floating_point():
         raise ValueError(f"seqfast::attention: bias must be floating point, got {bias.dtype}")
+    if not 0 <= p <= 1:
+        raise ValueError(f"seqfast::attention: dropout p must be in [0, 1], got {p}")
     if p > 0 and seed is None:
         raise ValueError("seqfast::attention: dropout p > 0 needs a seed tensor")
     if window < 0:

@@ -8,10 +8,10 @@ the kernels follow: scores `q @ k^T * scale`, modified by the registered element
 rejects take `masked_value`; positions above the diagonal (causal) but for keys before the
 `prefix`, keys `window` or more positions before the query (a sliding window, when `window` > 0)
 and keys of another document than the query's (`doc_kv` unlike `doc_q`) take -inf; then
-softmax and dropout. A row whose every score is -inf gives zero output and zero gradients (as
-torch's SDPA defines it); a row filled with a finite `masked_value` averages over all keys (as
-eager softmax does). `forward` and `backward` take the op's arguments by the names of its schema,
-the operands as their 4-D views.
+softmax and dropout (attention's own stream, `dropout.py`). A row whose every score is -inf gives
+zero output and zero gradients (as torch's SDPA defines it); a row filled with a finite
+`masked_value` averages over all keys (as eager softmax does). `forward` and `backward` take the
+op's arguments by the names of its schema, the operands as their 4-D views.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import math
 
 import torch
 
-from seqcompile.ops.attention import score_mods
-from seqcompile.ops.random import keep_mask_by_rows
+from seqcompile.ops.attention import dropout, score_mods
 
 Tensor = torch.Tensor
 
@@ -135,11 +134,10 @@ def probabilities(s: Tensor, row_max: Tensor, log_sum: Tensor) -> Tensor:
 def dropout_scale(
     shape: torch.Size, seed: Tensor | None, stream: int, p: float, device: torch.device
 ) -> Tensor | None:
-    """Per-score multiplier of dropout (0 or 1/(1-p)), the scores numbered by rows
-    (`keep_mask_by_rows`)."""
+    """Per-score multiplier of dropout (0 or 1/(1-p)), by attention's stream (`dropout.py`)."""
     if p == 0:
         return None
-    keep = keep_mask_by_rows(seed.to(device), shape, stream, p)
+    keep = dropout.keep_mask(seed.to(device), shape, stream, p)
     return keep.float() / (1.0 - p)
 
 
