@@ -55,8 +55,8 @@ def test_no_default_configuration_spills(rows):
 
 def test_attention_in_16_bits_runs_its_products_on_wgmma(rows):
     """Every product on wgmma, but for dkdv with dropout at head dim 128: there its all-wgmma
-    tile spills (dropout's Philox rounds hold registers), so it takes 32-key tiles, half of whose
-    products run on mma.sync."""
+    tiles spill (dropout's Philox rounds hold registers), so it takes 32-query tiles, whose scores
+    (32 rows) run on mma.sync."""
     for row in rows:
         if not row["kernel"].startswith("attention") or row["dtype"] == "fp32":
             continue
