@@ -1,4 +1,5 @@
-"""Fused attention `seqfast::attention` against torch's SDPA and the eager matmul-softmax spelling:
+"""Fused attention `seqfast::attention` against torch's SDPA (the backend it picks, and cuDNN where
+cuDNN takes the case), FlexAttention given the same mask, and the eager matmul-softmax spelling:
 time and TFLOP/s, forward and forward + backward, and the fraction of a bf16 matmul measured in the
 same run.
 
@@ -10,16 +11,21 @@ backward is five matmuls (the scores recomputed, dV, dP, dQ, dK), 2.5x the forwa
 backward counts 3.5x the forward. Bias, masking, softmax and dropout count nothing.
 
 Cases keep the tokens B * L and the hidden size H * D fixed; `--short` adds GPT-2 small's shape
-(B 8, H 12, L 1024, D 64). SDPA runs its flash backend where flash takes the case and torch's
-default choice elsewhere; its rows name the backend used. Before an executor is timed it is
-checked against SDPA: with dropout off, the largest max|a - b| / max|b| over the output and dq,
-dk, dv; with dropout on, shapes and finiteness only. "x sdpa" is sdpa ms / ms, so above 1 is
-faster than SDPA. Compile time is never timed (first calls are warm-up).
+(B 8, H 12, L 1024, D 64) and a LLaMA shape with grouped-query heads (B 4, H 32 over 8 key/value
+heads, L 4096, D 128, causal). SDPA runs its flash backend where flash takes the case and torch's
+default choice elsewhere; its rows name the backend used. FlexAttention gets the mask as a
+`mask_mod` with its block mask (causal, padding by lengths, the triangle read from the mask
+tensor) and a full bias as a `score_mod`; it takes no dropout. It is compiled on CUDA and runs
+eager, forward only, on CPU (it has no CPU backward). Before an executor is timed it is checked
+against SDPA: with dropout off, the largest max|a - b| / max|b| over the output and dq, dk, dv;
+with dropout on, shapes and finiteness only. "x sdpa" is sdpa ms / ms, so above 1 is faster than
+SDPA. Compile time is never timed (first calls are warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -29,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 from benchmarks.common import add_size_options, brief, emit, header, progress, table, timed_ms
@@ -53,6 +60,11 @@ class Case:
     p: float
     bias: str  # "none"; "pad": (B, 1, 1, L), 0 or -inf per key; "full": (1, H, L, L), random;
     # "tri": the causal triangle as an (L, L) boolean mask tensor, as a model's buffer holds it
+    kv_heads: int | None = None  # grouped-query attention: H // kv_heads query heads per k, v
+
+    @property
+    def groups(self) -> int:
+        return self.heads // (self.kv_heads or self.heads)
 
     def flops(self, backward: bool) -> float:
         forward = 4 * self.batch * self.heads * self.length**2 * self.head_dim
@@ -64,16 +76,16 @@ class Case:
         return self.batch * self.heads * self.length**2 * 4 / 2**30
 
     def cells(self) -> list[object]:
+        heads = f"{self.heads}/{self.kv_heads}" if self.groups > 1 else self.heads
         return [
-            self.length, self.head_dim, f"{self.batch}x{self.heads}", self.causal, self.p,
-            self.bias,
+            self.length, self.head_dim, f"{self.batch}x{heads}", self.causal, self.p, self.bias,
         ]  # fmt: skip
 
 
 @dataclasses.dataclass
 class Inputs:
     q: Tensor  # (B, H, L, D), requires grad, as k and v
-    k: Tensor
+    k: Tensor  # (B, H // groups, L, D), as v
     v: Tensor
     grad_out: Tensor  # (B, H, L, D)
     bias: Tensor | None  # (B, 1, 1, L) or (1, H, L, L), q's dtype
@@ -97,6 +109,9 @@ GPT2 = dict(length=1024, head_dim=64, batch=8, heads=12)
 """GPT-2 small's attention at its context and a batch of 8, which `--short` adds causal with and
 without dropout, and with dropout and the causal triangle read from a mask tensor (a model's
 buffer): beside the causal row, that row shows what the mask's block lists cost."""
+LLAMA = dict(length=4096, head_dim=128, batch=4, heads=32, kv_heads=8)
+"""A LLaMA-style attention with grouped-query heads (4 query heads per key/value head), which
+`--short` adds causal."""
 
 
 def cases(
@@ -127,9 +142,12 @@ def cases(
                 if bias == "full" and heads * length**2 * itemsize / 2**30 > cap_gib:
                     continue  # the (1, H, L, L) bias alone passes the memory cap
                 found.append(Case(length, head_dim, tokens // length, heads, causal, p, bias))
+    if quick:  # grouped-query heads, as `--short`'s LLaMA shape has them
+        found.append(Case(64, 32, 1, 2, causal=True, p=0.0, bias="none", kv_heads=1))
     if short:
         found += [Case(**GPT2, causal=True, p=p, bias="none") for p in (0.0, 0.1)]
         found.append(Case(**GPT2, causal=False, p=0.1, bias="tri"))
+        found.append(Case(**LLAMA, causal=True, p=0.0, bias="none"))
     return found
 
 
@@ -140,7 +158,9 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device) -> Inputs:
     def randn(size: tuple[int, ...]) -> Tensor:
         return torch.randn(size, device=device, dtype=dtype, generator=g)
 
-    q, k, v = (randn(shape).requires_grad_() for _ in range(3))
+    q = randn(shape).requires_grad_()
+    kv_shape = (case.batch, case.heads // case.groups, case.length, case.head_dim)
+    k, v = (randn(kv_shape).requires_grad_() for _ in range(2))
     bias = None
     if case.bias == "pad":
         kept = torch.randint(
@@ -179,11 +199,65 @@ def sdpa_attention(t: Inputs, case: Case, backend: SDPBackend) -> Tensor:
             dropout_p=case.p,
             is_causal=case.causal,
             scale=t.scale,
+            enable_gqa=case.groups > 1,
         )
 
 
+def flex_mods(t: Inputs, case: Case) -> tuple[Callable | None, object | None]:
+    """FlexAttention's score_mod and block mask for the case: the mask as a mask_mod (causal, the
+    triangle read from its tensor, padding by the lengths the bias keeps), a full bias added by a
+    score_mod."""
+    mask_mod = None
+    if case.causal:
+        mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
+    elif case.bias == "tri":
+        mask = t.mask
+        mask_mod = lambda b, h, q, kv: mask[q, kv]  # noqa: E731
+    elif case.bias == "pad":
+        lengths = (t.bias[:, 0, 0, :] == 0).sum(-1)
+        mask_mod = lambda b, h, q, kv: kv < lengths[b]  # noqa: E731
+    score_mod = None
+    if case.bias == "full":
+        bias = t.bias
+        score_mod = lambda s, b, h, q, kv: s + bias[0, h, q, kv]  # noqa: E731
+    block_mask = None
+    if mask_mod is not None:
+        batch = case.batch if case.bias == "pad" else None
+        block_mask = create_block_mask(
+            mask_mod, batch, None, case.length, case.length, device=t.q.device
+        )
+    return score_mod, block_mask
+
+
+def flex_executor(t: Inputs, case: Case) -> Callable[..., Tensor] | str:
+    """FlexAttention on the case (compiled on CUDA, eager elsewhere), or why it does not take it."""
+    if case.p > 0:
+        return "not taken: FlexAttention has no dropout"
+    score_mod, block_mask = flex_mods(t, case)
+    attend = _compiled_flex() if t.q.device.type == "cuda" else flex_attention
+
+    def run(t: Inputs, case: Case) -> Tensor:
+        q, k, v = t.q, t.k, t.v
+        if q.device.type != "cuda":  # it refuses inputs that require grad on CPU
+            q, k, v = q.detach(), k.detach(), v.detach()
+        return attend(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=t.scale,
+            enable_gqa=case.groups > 1,
+        )  # fmt: skip
+
+    return run
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def eager_attention(t: Inputs, case: Case) -> Tensor:
-    scores = (t.q @ t.k.transpose(-1, -2)).float() * t.scale
+    k, v = t.k, t.v
+    if case.groups > 1:
+        k, v = (x.repeat_interleave(case.groups, dim=1) for x in (k, v))
+    scores = (t.q @ k.transpose(-1, -2)).float() * t.scale
     if t.bias is not None:
         scores = scores + t.bias
     if t.future is not None:
@@ -191,38 +265,43 @@ def eager_attention(t: Inputs, case: Case) -> Tensor:
     if t.mask is not None:
         scores = scores.masked_fill(~t.mask, -math.inf)
     prob = F.dropout(torch.softmax(scores, dim=-1), case.p)
-    return prob.to(t.v.dtype) @ t.v
+    return prob.to(v.dtype) @ v
+
+
+def sdpa_choice(t: Inputs, case: Case, backend: SDPBackend | None) -> SDPBackend | None:
+    """The backend SDPA runs the case on with only `backend` enabled (None: its default choice),
+    asked with q, k, v requiring grad, as the timed backward needs; None where none takes it."""
+    args = (t.q, t.k, t.v, t.bias if t.mask is None else t.mask, case.p, case.causal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the backends' reasons for refusing
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            try:
+                return SDPBackend(torch._fused_sdp_choice(*args, enable_gqa=case.groups > 1))
+            except RuntimeError:  # "No available kernel": no enabled backend takes the case
+                return None
 
 
 def sdpa_backend(t: Inputs, case: Case) -> SDPBackend:
-    """Flash where it takes the case (asked with q, k, v requiring grad, as the timed backward
-    needs), else the backend torch's default dispatch picks."""
-    args = (t.q, t.k, t.v, t.bias if t.mask is None else t.mask, case.p, case.causal)
-
-    def choice() -> SDPBackend | None:
-        try:
-            return SDPBackend(torch._fused_sdp_choice(*args))
-        except RuntimeError:  # "No available kernel": no enabled backend takes the case
-            return None
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # flash's reasons for refusing
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            flash = choice()
-        return flash if flash is not None else choice()
+    """Flash where it takes the case, else the backend torch's default dispatch picks."""
+    return sdpa_choice(t, case, SDPBackend.FLASH_ATTENTION) or sdpa_choice(t, case, None)
 
 
-def forward_backward(fn: Callable[[Inputs], Tensor], t: Inputs) -> list[Tensor]:
+def forward_backward(fn: Callable[[Inputs], Tensor], t: Inputs, backward: bool) -> list[Tensor]:
+    if not backward:  # FlexAttention on CPU: inputs that need no gradient, the forward only
+        with torch.no_grad():
+            return [fn(t)]
     out = fn(t)
     return [out.detach(), *torch.autograd.grad(out, (t.q, t.k, t.v), t.grad_out)]
 
 
 def check(outputs: list[Tensor], reference: list[Tensor] | None, case: Case) -> Result:
-    """The executor's output and dq, dk, dv against the reference (SDPA's, unless SDPA ran out of
-    memory): numerics with dropout off, shapes and finiteness always."""
+    """The executor's output and dq, dk, dv (those it gives) against the reference (SDPA's, unless
+    SDPA ran out of memory): numerics with dropout off, shapes and finiteness always."""
     shape = (case.batch, case.heads, case.length, case.head_dim)
-    for got, name in zip(outputs, ("out", "dq", "dk", "dv"), strict=True):
-        if got.shape != shape or not got.isfinite().all():
+    kv_shape = (case.batch, case.heads // case.groups, case.length, case.head_dim)
+    shapes = (shape, shape, kv_shape, kv_shape)
+    for got, name, want in zip(outputs, ("out", "dq", "dk", "dv"), shapes, strict=False):
+        if got.shape != want or not got.isfinite().all():
             return Result(f"{name}: misshapen or not finite", failed=True)
     if reference is None:
         return Result("the reference")
@@ -230,43 +309,63 @@ def check(outputs: list[Tensor], reference: list[Tensor] | None, case: Case) -> 
         return Result("finite (dropout)")
     worst = max(
         ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-        for a, b in zip(outputs, reference, strict=True)
+        for a, b in zip(outputs, reference, strict=False)
     )
     failed = worst > TOLERANCE[outputs[0].dtype]
     return Result(f"{'MISMATCH ' if failed else ''}rel err {worst:.1e}", failed=failed)
 
 
-def time_passes(fn: Callable[[Inputs], Tensor], t: Inputs, device: torch.device) -> list[float]:
+def time_passes(
+    fn: Callable[[Inputs], Tensor], t: Inputs, device: torch.device, backward: bool
+) -> list[float | None]:
     with torch.no_grad():
         fwd = timed_ms(lambda: fn(t), device)
+    if not backward:
+        return [fwd, None]
     both = timed_ms(lambda: torch.autograd.grad(fn(t), (t.q, t.k, t.v), t.grad_out), device)
     return [fwd, both]
+
+
+def executors_of(t: Inputs, case: Case) -> dict[str, Callable[..., Tensor] | str]:
+    """The executors of the case by label, SDPA's choice first; a string where one does not take
+    the case (why)."""
+    backend = sdpa_backend(t, case)
+    executors = {
+        f"sdpa({BACKEND_NAMES.get(backend, backend.name.lower())})": functools.partial(
+            sdpa_attention, backend=backend
+        )
+    }
+    if t.q.device.type == "cuda" and backend != SDPBackend.CUDNN_ATTENTION:
+        cudnn = sdpa_choice(t, case, SDPBackend.CUDNN_ATTENTION)
+        executors["sdpa(cudnn)"] = (
+            functools.partial(sdpa_attention, backend=cudnn) if cudnn else "cuDNN does not take it"
+        )
+    executors["flex"] = flex_executor(t, case)
+    executors["seqfast"] = seqfast_attention
+    executors["eager"] = eager_attention
+    return executors
 
 
 def bench_case(case: Case, dtype: torch.dtype, device: torch.device, cap_gib: float):
     """{executor label: Result}, SDPA first: every executor checked against it, then timed."""
     t = make_inputs(case, dtype, device)
-    backend = sdpa_backend(t, case)
-    executors = {
-        f"sdpa({BACKEND_NAMES.get(backend, backend.name.lower())})": functools.partial(
-            sdpa_attention, backend=backend
-        ),
-        "seqfast": seqfast_attention,
-        "eager": eager_attention,
-    }
     results, reference = {}, None
-    for name, executor in executors.items():
+    for name, executor in executors_of(t, case).items():
+        if isinstance(executor, str):
+            results[name] = Result(executor)
+            continue
         fn = functools.partial(executor, case=case)
         if name == "eager" and case.scores_gib() > cap_gib:
             results[name] = Result(f"skipped: {case.scores_gib():.0f} GiB of scores")
             continue
+        backward = name != "flex" or device.type == "cuda"
         try:
-            outputs = forward_backward(fn, t)
+            outputs = forward_backward(fn, t, backward)
             result = check(outputs, reference, case)
             reference = reference or outputs
             del outputs
             if not result.failed:
-                result.fwd_ms, result.both_ms = time_passes(fn, t, device)
+                result.fwd_ms, result.both_ms = time_passes(fn, t, device, backward)
         except torch.cuda.OutOfMemoryError:
             result = Result("OOM")
         except RuntimeError as error:  # recorded and counted as a failure, not hidden
@@ -292,8 +391,9 @@ def table_rows(case: Case, results: dict[str, Result], ceiling: float) -> list[l
 
 
 def summary(measured: list[tuple[Case, dict[str, Result]]]) -> list[str]:
-    """seqfast's forward + backward speed-up over SDPA, where SDPA runs flash and where not."""
-    groups: dict[str, list[float]] = {"flash": [], "other": []}
+    """seqfast's forward + backward speed-up over SDPA, where SDPA runs flash and where not, and
+    over FlexAttention."""
+    groups: dict[str, list[float]] = {"flash": [], "other": [], "flex": []}
     for _, results in measured:
         name, sdpa = next((n, r) for n, r in results.items() if n.startswith("sdpa"))
         ours = results["seqfast"]
@@ -301,15 +401,21 @@ def summary(measured: list[tuple[Case, dict[str, Result]]]) -> list[str]:
             groups["flash" if name == "sdpa(flash)" else "other"].append(
                 sdpa.both_ms / ours.both_ms
             )
+        flex = results.get("flex")
+        if flex is not None and flex.both_ms and ours.both_ms:
+            groups["flex"].append(flex.both_ms / ours.both_ms)
     lines = []
-    for group, target in (("flash", ">= 0.9x"), ("other", "> 1x")):
+    for group, target, against in (
+        ("flash", ">= 0.9x", "sdpa (flash)"),
+        ("other", "> 1x", "sdpa (not flash)"),
+        ("flex", ">= 1x", "flex, same mask"),
+    ):
         ratios = groups[group]
         if ratios:
             geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
             lines.append(
-                f"- seqfast fwd+bwd vs sdpa ({'flash' if group == 'flash' else 'not flash'}), "
-                f"target {target}: min {min(ratios):.2f}x, geomean {geomean:.2f}x over "
-                f"{len(ratios)} cases"
+                f"- seqfast fwd+bwd vs {against}, target {target}: min {min(ratios):.2f}x, "
+                f"geomean {geomean:.2f}x over {len(ratios)} cases"
             )
     return lines
 

@@ -207,13 +207,15 @@ if wanted pytest_gpu "$@"; then
 fi
 
 # 4-7. budgets: ceilings is three copies and two matmuls; train_step_graphs compiles each model
-# twice more (seqfast and Inductor under CUDA graphs); attention compiles 7 kernel
-# variants x 4 kernels (~2.5 s each; GPT-2's head dim 64 and a mask's block lists beside 128); loss 2 cases x 2 compiles; norm and pointwise 4 cases with an
+# twice more (seqfast and Inductor under CUDA graphs); attention compiles 8 kernel
+# variants x 4 kernels (~2.5 s each; GPT-2's head dim 64, a mask's block lists and LLaMA's
+# grouped heads beside 128) and FlexAttention for its 5 cases without dropout (~10 s each);
+# loss 2 cases x 2 compiles; norm and pointwise 4 cases with an
 # Inductor compile each; attention_mods 3 FlexAttention compiles (~10 s each) and 3 x 4 kernels;
 # memory_budget compiles GPT-2 small three times
 bench ceilings 20 ceilings "$size"
 bench train_step_graphs 120 train_step "$size" --modes reduce-overhead
-bench attention 85 attention "$size"
+bench attention 140 attention "$size"
 bench loss 30 loss "$size"
 bench norm 30 norm_kernels "$size"
 bench pointwise 25 pointwise_kernels "$size"

@@ -34,6 +34,18 @@ def test_the_train_step_runs_each_model_in_each_mode(tmp_path):
     assert "MISMATCH" not in text
 
 
+def test_the_attention_benchmark_checks_flex_and_grouped_heads(tmp_path):
+    """FlexAttention runs each case without dropout on the same mask (forward only on CPU) and is
+    checked before it is timed; the grouped-query case runs every executor."""
+    text = quick_run("benchmarks.attention", tmp_path)
+    for bias in ("none", "pad", "tri"):
+        assert re.search(rf"\| 0 \| {bias} \| flex \| [0-9.e-]+ \|.*rel err", text), bias
+    assert "| 0.1 | none | flex |" in text and "not taken: FlexAttention has no dropout" in text
+    for executor in ("flex", "seqfast", "eager"):
+        assert re.search(rf"\| 1x2/1 \| True \| 0 \| none \| {executor} \|.*rel err", text)
+    assert "MISMATCH" not in text
+
+
 def test_the_score_modifications_benchmark_checks_every_executor_it_times(tmp_path):
     text = quick_run("benchmarks.attention_mods", tmp_path)
     for mod in ("causal", "window", "softcap", "alibi", "t5 buckets", "documents"):
