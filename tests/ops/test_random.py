@@ -266,5 +266,7 @@ def test_without_a_compiler_the_stream_is_written_out(monkeypatch, caplog):
         assert "did not compile" in caplog.text
         seed = torch.tensor(11)
         assert torch.equal(uniforms(seed, 37, 4), at_offsets(seed, torch.arange(37), 4))
+        mask = dropout.keep_mask(seed, torch.Size((2, 5, 19)), 4, 0.5)  # from the grid, written out
+        assert mask.shape == (2, 5, 19) and 0 < mask.sum() < mask.numel()
     finally:
         random_native._library.cache_clear()
