@@ -8,7 +8,8 @@ equals the shortest, which is the loop over whole blocks where a kernel splits o
 the instructions per iteration, how many are wgmma or mma.sync, and (attention) the instructions all
 threads issue per score, there and in the edge loop (among those equals the longest: the blocks of
 the diagonal and the last keys, or those a mask read from a tensor hides in part; the blocks it
-hides whole cost nothing, being skipped).
+hides whole cost nothing, being skipped). A second table gives what dropout costs each attention
+kernel: its main loop's instructions per score with dropout over the same case's without.
 
     python -m benchmarks.kernel_resources [--quick] [--defaults] [--head-dims 64,128,256]
         [--output FILE]
@@ -231,6 +232,36 @@ def per_score(config: Config, found: Resources, loop: int) -> float | str:
     return loop * found.warps * 32 / (blocks["BLOCK_M"] * blocks["BLOCK_N"])
 
 
+def dropout_costs(rows: list[list[object]]) -> list[str]:
+    """What dropout costs each attention kernel at its default configuration: main-loop
+    instructions per score with dropout over the same case without (the rows of `main`)."""
+    defaults = {
+        (row[0], row[1], row[2], row[3]): row
+        for row in rows
+        if str(row[4]).startswith("* ") and isinstance(row[13], float)
+    }
+    found = []
+    for (group, kernel, dtype, size), row in defaults.items():
+        without = defaults.get((group.removesuffix(", dropout"), kernel, dtype, size))
+        if not group.endswith(", dropout") or without is None:
+            continue
+        same = "" if without[4] == row[4] else f"without: {str(without[4])[2:]}"
+        found.append(
+            [group, kernel, dtype, size, without[13], row[13], row[13] / without[13], same]
+        )
+    if not found:
+        return []
+    columns = ["kernels", "kernel", "dtype", "size", "per score without dropout"]
+    columns += ["with dropout", "with / without", "other configuration"]
+    return [
+        "Dropout's cost: main-loop instructions per score with dropout against the same kernels"
+        " without it, at the default configurations (the last column names the one without"
+        " dropout where the two differ).",
+        "",
+        *table(columns, found),
+    ]
+
+
 def _tool(name: str, *args: str) -> str:
     done = subprocess.run([str(BIN / name), *args], capture_output=True, text=True, check=True)
     return done.stdout + done.stderr
@@ -284,6 +315,7 @@ def main() -> None:
     columns += ["shared bytes", "CTAs / SM", "warps / SM", "loop instructions", "wgmma", "mma.sync"]
     columns += ["per score", "per score, edge blocks"]
     lines += table(columns, rows)
+    lines += ["", *dropout_costs(rows)]
     emit(lines, args.output)
     failed = sum(str(row[5]).startswith("FAILED") for row in rows)
     if failed:

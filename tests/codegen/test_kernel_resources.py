@@ -16,8 +16,8 @@ COLUMNS = ["kernels", "kernel", "dtype", "size", "config", "registers", "spilled
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    """The report's rows at the default configurations, head dims 64 and 128, by column name."""
+def report(tmp_path_factory) -> str:
+    """The report at the default configurations, head dims 64 and 128."""
     output = tmp_path_factory.mktemp("resources") / "resources.md"
     env = {
         k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SEQFAST_INTERPRET")
@@ -28,13 +28,31 @@ def rows(tmp_path_factory):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in output.read_text().splitlines() if line.startswith("| ")]
+    return output.read_text()
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table in `text`, by column name."""
+    lines = text[text.index("\n| ") + 1 :].split("\n\n")[0].splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    assert header[: len(COLUMNS)] == COLUMNS
     return [
         dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-        for line in lines[1:]
+        for line in lines[2:]
     ]
+
+
+@pytest.fixture(scope="module")
+def rows(report):
+    """The report's rows, by column name."""
+    found = table_rows(report)
+    assert list(found[0])[: len(COLUMNS)] == COLUMNS
+    return found
+
+
+@pytest.fixture(scope="module")
+def dropout_costs(report):
+    """The report's second table: what dropout costs each attention kernel."""
+    return table_rows(report.split("Dropout's cost")[1])
 
 
 def test_every_kernel_and_dtype_is_in_the_report(rows):
@@ -46,6 +64,14 @@ def test_every_kernel_and_dtype_is_in_the_report(rows):
         "768", "1024", "2048", "4096", "8192",
     }  # fmt: skip
     assert all(row["config"].startswith("* ") for row in rows)  # defaults only
+
+
+def test_the_report_gives_what_dropout_costs_each_attention_kernel(rows, dropout_costs):
+    """One row per attention kernel, dtype and head dim with dropout, its cost over the same
+    kernel without (the lower bound 1: dropout adds instructions, never removes them)."""
+    drawn = [r for r in rows if r["kernels"].endswith(", dropout") and "attention" in r["kernels"]]
+    assert len(dropout_costs) == len(drawn) > 0
+    assert all(float(row["with / without"]) > 1 for row in dropout_costs)
 
 
 def test_no_default_configuration_spills(rows):
