@@ -1,5 +1,5 @@
-/* Philox4x32-10 on CPU for the dropout streams (seqcompile/ops/random.py defines them): the flat
- * stream's numbers, and the words of a grid of counters. Blocks are computed LANES at a time, so
+/* Philox4x32 on CPU for the dropout streams (seqcompile/ops/random.py defines them): the flat
+ * stream's numbers (10 rounds), and the words of a grid of counters (any number of rounds). Blocks are computed LANES at a time, so
  * the compiler can run the rounds in vector registers. */
 #include <stdint.h>
 
@@ -7,8 +7,9 @@
 
 /* The rounds, in place on LANES counters, under the key (k0, k1). */
 static inline __attribute__((always_inline)) void philox_rounds(uint32_t k0, uint32_t k1,
+                                                                int rounds,
                                                                 uint32_t c[4][LANES]) {
-    for (int round = 0; round < 10; round++) {
+    for (int round = 0; round < rounds; round++) {
         for (int j = 0; j < LANES; j++) {
             uint64_t a = (uint64_t)0xD2511F53u * c[0][j];
             uint64_t b = (uint64_t)0xCD9E8D57u * c[2][j];
@@ -41,7 +42,7 @@ void seqfast_philox_uniforms(const int64_t *seed, uint32_t stream, int64_t count
             c[2][j] = stream;
             c[3][j] = 0;
         }
-        philox_rounds((uint32_t)key, (uint32_t)(key >> 32), c);
+        philox_rounds((uint32_t)key, (uint32_t)(key >> 32), 10, c);
         int64_t left = count - start;
         if (left >= 4 * LANES) {
             for (int j = 0; j < LANES; j++)
@@ -54,11 +55,11 @@ void seqfast_philox_uniforms(const int64_t *seed, uint32_t stream, int64_t count
     }
 }
 
-/* out[((z * rows + i) * cols + j) * 4 + w]: word w of the block on the counter (z, i, stream, j)
- * for every plane z < planes, row i < rows and column j < cols. */
+/* out[((z * rows + i) * cols + j) * 4 + w]: word w of Philox4x32 in `rounds` rounds on the
+ * counter (z, i, stream, j) for every plane z < planes, row i < rows and column j < cols. */
 __attribute__((target_clones("avx2", "default")))
-void seqfast_philox_grid(const int64_t *seed, uint32_t stream, int64_t planes, int64_t rows,
-                         int64_t cols, uint32_t *out) {
+void seqfast_philox_grid(const int64_t *seed, uint32_t stream, int32_t rounds, int64_t planes,
+                         int64_t rows, int64_t cols, uint32_t *out) {
     const uint64_t key = (uint64_t)seed[0];
     uint32_t c[4][LANES];
     for (int64_t z = 0; z < planes; z++) {
@@ -71,7 +72,7 @@ void seqfast_philox_grid(const int64_t *seed, uint32_t stream, int64_t planes, i
                     c[2][j] = stream;
                     c[3][j] = (uint32_t)(start + j);
                 }
-                philox_rounds((uint32_t)key, (uint32_t)(key >> 32), c);
+                philox_rounds((uint32_t)key, (uint32_t)(key >> 32), rounds, c);
                 int64_t left = cols - start < LANES ? cols - start : LANES;
                 for (int j = 0; j < left; j++)
                     for (int w = 0; w < 4; w++)

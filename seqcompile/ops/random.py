@@ -10,8 +10,8 @@ norms) number the element at column `c` of row `r` as `r * padded_width(n) + c`,
 starts a block and one evaluation serves four neighbouring columns of any width.
 
 A grid of counters (`grid_words`): the block on the counter (z, i, stream, j) for every plane z,
-row i and column j of a grid; an operator maps its elements onto the grid's words (attention:
-`ops/attention/dropout.py`)."""
+row i and column j of a grid, in as many rounds as its reader asks; an operator maps its elements
+onto the grid's words (attention: `ops/attention/dropout.py`)."""
 
 from __future__ import annotations
 
@@ -38,15 +38,18 @@ def _mul_hi_lo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (product >> 32) & _M32, product & _M32
 
 
-def philox_words(seed: torch.Tensor, counter: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-10 of the four 32-bit counter words (int64 tensors) under the 64-bit key
-    `seed` (its low word first): the four output words, as int64 tensors."""
+def philox_words(
+    seed: torch.Tensor, counter: tuple[torch.Tensor, ...], rounds: int = 10
+) -> tuple[torch.Tensor, ...]:
+    """Philox4x32 in `rounds` rounds (Philox4x32-10 unless told) of the four 32-bit counter words
+    (int64 tensors) under the 64-bit key `seed` (its low word first): the four output words, as
+    int64 tensors."""
     seed = seed.to(torch.int64)
-    rounds = torch.arange(10, device=seed.device, dtype=torch.int64)
-    keys0 = ((seed & _M32) + rounds * _KEY_A) & _M32  # each round's key, made at once
-    keys1 = (((seed >> 32) & _M32) + rounds * _KEY_B) & _M32
+    steps = torch.arange(rounds, device=seed.device, dtype=torch.int64)
+    keys0 = ((seed & _M32) + steps * _KEY_A) & _M32  # each round's key, made at once
+    keys1 = (((seed >> 32) & _M32) + steps * _KEY_B) & _M32
     c0, c1, c2, c3 = counter
-    for r in range(10):
+    for r in range(rounds):
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         c0, c1, c2, c3 = hi_b ^ c1 ^ keys0[r], lo_b, hi_a ^ c3 ^ keys1[r], lo_a
@@ -72,17 +75,19 @@ def written_out(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     return (flat >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
-def grid_words(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
-    """The four words of the block on the counter (z, i, stream, j) for z < planes, i < rows and
-    j < cols, as int32 (the words' bits): (planes, rows, cols, 4). On CPU from the C function where
-    this machine compiles it, else written out in torch integer ops."""
+def grid_words(
+    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int, rounds: int
+) -> torch.Tensor:
+    """The four words of Philox4x32 in `rounds` rounds on the counter (z, i, stream, j) for
+    z < planes, i < rows and j < cols, as int32 (the words' bits): (planes, rows, cols, 4). On CPU
+    from the C function where this machine compiles it, else written out in torch integer ops."""
     if seed.device.type == "cpu" and random_native.available():
-        return torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream)
-    return grid_written_out(seed, planes, rows, cols, stream)
+        return torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream, rounds)
+    return grid_written_out(seed, planes, rows, cols, stream, rounds)
 
 
 def grid_written_out(
-    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int
+    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int, rounds: int
 ) -> torch.Tensor:
     """`grid_words` in torch integer ops, on any device."""
     shape = (planes, rows, cols)
@@ -93,7 +98,7 @@ def grid_written_out(
         torch.full(shape, stream & _M32, device=seed.device, dtype=torch.int64),
         arange(cols).expand(shape),
     )
-    words = torch.stack(philox_words(seed, counter), dim=-1)
+    words = torch.stack(philox_words(seed, counter, rounds), dim=-1)
     return words.to(torch.int32)  # the low 32 bits of each
 
 

@@ -79,7 +79,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     pointer, uint32, int64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
     library.seqfast_philox_uniforms.argtypes = (pointer, uint32, int64, pointer)
-    library.seqfast_philox_grid.argtypes = (pointer, uint32, int64, int64, int64, pointer)
+    int32 = ctypes.c_int32
+    library.seqfast_philox_grid.argtypes = (pointer, uint32, int32, int64, int64, int64, pointer)
     for function in (library.seqfast_philox_uniforms, library.seqfast_philox_grid):
         function.restype = None
     return library
@@ -106,20 +107,24 @@ def _(seed: torch.Tensor, count: int, stream: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("seqfast::philox_grid", mutates_args=())
-def philox_grid(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
+def philox_grid(
+    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int, rounds: int
+) -> torch.Tensor:
     """The words of the blocks on the counters (z, i, stream, j) under the int64 `seed` (a CPU
     tensor of one element), as `ops.random.grid_words` defines them: int32, (planes, rows, cols,
     4)."""
     library, seed = _checked("philox_grid", seed)
     out = torch.empty((planes, rows, cols, 4), dtype=torch.int32)
     library.seqfast_philox_grid(
-        seed.data_ptr(), stream & 0xFFFFFFFF, planes, rows, cols, out.data_ptr()
+        seed.data_ptr(), stream & 0xFFFFFFFF, rounds, planes, rows, cols, out.data_ptr()
     )
     return out
 
 
 @philox_grid.register_fake
-def _(seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int) -> torch.Tensor:
+def _(
+    seed: torch.Tensor, planes: int, rows: int, cols: int, stream: int, rounds: int
+) -> torch.Tensor:
     return seed.new_empty((planes, rows, cols, 4), dtype=torch.int32)
 
 

@@ -68,10 +68,12 @@ def test_every_kernel_and_dtype_is_in_the_report(rows):
 
 def test_the_report_gives_what_dropout_costs_each_attention_kernel(rows, dropout_costs):
     """One row per attention kernel, dtype and head dim with dropout, its cost over the same
-    kernel without (the lower bound 1: dropout adds instructions, never removes them)."""
+    kernel without: above 1 where both run one configuration (dropout adds instructions, never
+    removes them; another configuration may issue fewer per score)."""
     drawn = [r for r in rows if r["kernels"].endswith(", dropout") and "attention" in r["kernels"]]
     assert len(dropout_costs) == len(drawn) > 0
-    assert all(float(row["with / without"]) > 1 for row in dropout_costs)
+    same = [row for row in dropout_costs if not row["other configuration"]]
+    assert same and all(float(row["with / without"]) > 1 for row in same)
 
 
 def test_no_default_configuration_spills(rows):

@@ -30,28 +30,33 @@ from seqcompile.ops.random import (
 )
 from tests.conftest import needs_interpreter
 
-# Random123's kat_vectors for philox4x32 with 10 rounds: counter, key, output.
+# Random123's kat_vectors for philox4x32 with 10 rounds (the flat stream) and 7 (attention's):
+# rounds, counter, key, output.
+PI_COUNTER, PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
 KNOWN_ANSWERS = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    (
-        (0xFFFFFFFF,) * 4,
-        (0xFFFFFFFF, 0xFFFFFFFF),
-        (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD),
-    ),
-    (
-        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
-        (0xA4093822, 0x299F31D0),
-        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
-    ),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, PI_COUNTER, PI_KEY, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, PI_COUNTER, PI_KEY, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
 ]
 
 
-@pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
-def test_philox_matches_the_published_vectors(counter, key, expected):
-    low, high = key
-    seed = torch.tensor([(high << 32 | low) - (2**64 if high >> 31 else 0)])  # int64 bits
-    words = philox_words(seed, tuple(torch.tensor([c]) for c in counter))
+def int64_bits(low: int, high: int) -> torch.Tensor:
+    """The 64-bit key (low word first) as the int64 seed tensor holding its bits."""
+    return torch.tensor([(high << 32 | low) - (2**64 if high >> 31 else 0)])
+
+
+@pytest.mark.parametrize("rounds,counter,key,expected", KNOWN_ANSWERS)
+def test_philox_matches_the_published_vectors(rounds, counter, key, expected):
+    seed = int64_bits(*key)
+    words = philox_words(seed, tuple(torch.tensor([c]) for c in counter), rounds)
     assert tuple(int(w) for w in words) == expected
+    z, i, stream, j = counter  # the grid's counter order, from the C function where it builds
+    grid = grid_words(seed, z + 1, i + 1, j + 1, stream, rounds) if max(counter) < 2**4 else None
+    if grid is not None:
+        assert tuple(int(w) & 0xFFFFFFFF for w in grid[z, i, j]) == expected
 
 
 def at_offsets(seed: torch.Tensor, offsets: torch.Tensor, stream: int) -> torch.Tensor:
@@ -200,16 +205,18 @@ def test_the_c_grid_draws_the_written_out_words():
         (7, (0, 4, 4), 3),
     ]:
         seed = torch.tensor(seed)
-        drawn = torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream)
-        assert drawn.shape == (planes, rows, cols, 4) and drawn.dtype == torch.int32
-        assert torch.equal(drawn, grid_written_out(seed, planes, rows, cols, stream))
+        for rounds in (7, 10):
+            drawn = torch.ops.seqfast.philox_grid(seed, planes, rows, cols, stream, rounds)
+            assert drawn.shape == (planes, rows, cols, 4) and drawn.dtype == torch.int32
+            expected = grid_written_out(seed, planes, rows, cols, stream, rounds)
+            assert torch.equal(drawn, expected)
     seed = torch.tensor(99)
-    words = grid_words(seed, 2, 3, 5, 4)
+    words = grid_words(seed, 2, 3, 5, 4, 7)
     counter = tuple(torch.tensor([c]) for c in (1, 2, 4, 4))  # (z, i, stream, j) of [1, 2, 4]
     assert [int(w) & 0xFFFFFFFF for w in words[1, 2, 4]] == [
-        int(w) for w in philox_words(seed, counter)
+        int(w) for w in philox_words(seed, counter, 7)
     ]
-    torch.library.opcheck(torch.ops.seqfast.philox_grid, (torch.tensor([7]), 2, 3, 5, 1))
+    torch.library.opcheck(torch.ops.seqfast.philox_grid, (torch.tensor([7]), 2, 3, 5, 1, 7))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 37, 45), (1, 16, 16), (5, 1), (2, 0, 3), (17, 40)])
@@ -222,7 +229,8 @@ def test_attentions_stream_is_what_its_module_says(shape):
     assert mask.shape == shape and mask.dtype == torch.bool
     *lead, lq, lk = shape
     planes = math.prod(lead)
-    words = grid_words(seed, planes, -(-lq // 16) * 8, -(-lk // 16) * 4, stream).long() & 0xFFFFFFFF
+    words = grid_words(seed, planes, -(-lq // 16) * 8, -(-lk // 16) * 4, stream, dropout.ROUNDS)
+    words = words.long() & 0xFFFFFFFF
     z, r, c = torch.meshgrid(
         torch.arange(planes), torch.arange(lq), torch.arange(lk), indexing="ij"
     )

@@ -1,6 +1,6 @@
 """Attention's dropout stream: which scores dropout keeps.
 
-One Philox4x32-10 block gives eight 16-bit numbers; a score is kept where its number is at least
+One Philox4x32-7 block gives eight 16-bit numbers; a score is kept where its number is at least
 `threshold(p)`, so p is resolved to 2^-16 (the fraction kept is within 2^-17 of 1 - p); kept
 scores are scaled by 1 / (1 - p), as torch's dropout scales them. The eight numbers of a block go
 to the eight scores one GPU thread holds in a matrix product's accumulator (two rows eight apart,
@@ -27,6 +27,9 @@ from seqcompile.ops.random import grid_words
 
 BITS = 16
 """Bits of each number: eight numbers per Philox block."""
+ROUNDS = 7
+"""Philox rounds per block: seven, as FlashAttention-2's dropout takes them (Philox4x32-7 passes
+TestU01's BigCrush; ten, the flat stream's count, is Random123's margin above that)."""
 TILE = 16
 """Rows (and columns) of the square a grid's 8 x 4 blocks cover."""
 
@@ -43,7 +46,7 @@ def keep_mask(seed: torch.Tensor, shape: torch.Size, stream: int, p: float) -> t
     *lead, lq, lk = shape
     planes = math.prod(lead)
     row_tiles, col_tiles = -(-lq // TILE), -(-lk // TILE)
-    words = grid_words(seed, planes, row_tiles * 8, col_tiles * 4, stream)
+    words = grid_words(seed, planes, row_tiles * 8, col_tiles * 4, stream, ROUNDS)
     numbers = torch.stack((words & 0xFFFF, (words >> BITS) & 0xFFFF), dim=-1)
     # (z, i, j, word, half) as (z, r // 16, r % 8, c // 16, (c % 8) // 2, (r // 8) % 2,
     # (c // 8) % 2, c % 2), put in the order of (z, r, c)
