@@ -9,7 +9,8 @@ the instructions per iteration, how many are wgmma or mma.sync, and (attention) 
 threads issue per score, there and in the edge loop (among those equals the longest: the blocks of
 the diagonal and the last keys, or those a mask read from a tensor hides in part; the blocks it
 hides whole cost nothing, being skipped). A second table gives what dropout costs each attention
-kernel: its main loop's instructions per score with dropout over the same case's without.
+kernel: its main loop's instructions per score with dropout over the same case's without; a third
+what the backward costs in one launch and in two.
 
     python -m benchmarks.kernel_resources [--quick] [--defaults] [--head-dims 64,128,256]
         [--output FILE]
@@ -93,12 +94,15 @@ def attention_cases(dims, defaults_only) -> Iterator[Case]:
         names += ("prefix",)
         flags = {name: on.get(name, False) for name in names} | {"score_mod": ()}
         specs = [attention.forward_spec(**flags)]
-        specs += attention.backward_specs(bias_grad=False, rel_grad=False, **flags)[1:]
+        for one_launch in (False, True):
+            specs += attention.backward_specs(
+                bias_grad=False, rel_grad=False, one_launch=one_launch, **flags
+            )[1:]
         for spec in specs:
             for dtype in DTYPES:
                 for d in dims:
                     dropout = flags["dropout"]
-                    space = attention_configs.space(spec.template, d, TORCH[dtype], "cuda", dropout)
+                    space = attention_configs.space(spec.name, d, TORCH[dtype], "cuda", dropout)
                     precision = "tf32"  # what the launcher passes unless TF32 is off
                     for config in space[:1] if defaults_only else space:
                         yield Case(
@@ -152,7 +156,7 @@ def signature(case: Case) -> tuple[dict[str, str], dict[str, object], dict]:
             types[name] = "*i1"
         elif name in ("MASK_LISTS", "MASK_COUNTS"):
             types[name] = "*i32"
-        elif name in FLOAT32_POINTERS:
+        elif name in FLOAT32_POINTERS or name == "DQ" and case.spec.name.endswith(":with_dq"):
             types[name] = "*fp32"
         else:
             types[name] = DTYPES[case.dtype]
@@ -262,6 +266,38 @@ def dropout_costs(rows: list[list[object]]) -> list[str]:
     ]
 
 
+def backward_costs(rows: list[list[object]]) -> list[str]:
+    """What the backward costs each attention case at the default configurations, in one launch
+    (dk and dv's kernel adding dq) and in two (dk and dv's, then dq's): main-loop instructions
+    per score (the rows of `main`)."""
+    defaults = {
+        (row[0], row[1], row[2], row[3]): row[13]
+        for row in rows
+        if str(row[4]).startswith("* ") and isinstance(row[13], float)
+    }
+    found = []
+    for (group, kernel, dtype, size), one in defaults.items():
+        dkdv = defaults.get((group, "attention_bwd_dkdv", dtype, size))
+        dq = defaults.get((group, "attention_bwd_dq", dtype, size))
+        if kernel != "attention_bwd_dkdv:with_dq" or dkdv is None or dq is None:
+            continue
+        first = attention_configs.one_launch_first(size, TORCH[dtype])
+        found.append(
+            [group, dtype, size, dkdv, dq, one, one / (dkdv + dq), "one" if first else "two"]
+        )
+    if not found:
+        return []
+    columns = ["kernels", "dtype", "size", "dk, dv", "dq", "one launch", "one / two"]
+    columns += ["default launches"]
+    return [
+        "The backward's cost: main-loop instructions per score of dk and dv's kernel and dq's"
+        " (two launches) and of dk and dv's adding dq (one launch), at their default"
+        " configurations.",
+        "",
+        *table(columns, found),
+    ]
+
+
 def _tool(name: str, *args: str) -> str:
     done = subprocess.run([str(BIN / name), *args], capture_output=True, text=True, check=True)
     return done.stdout + done.stderr
@@ -289,7 +325,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for case in cases:
             config = ("* " if case.default else "") + case.config.describe()
-            cells = [case.group, case.spec.template, case.dtype, case.size, config]
+            cells = [case.group, case.spec.name, case.dtype, case.size, config]
             try:
                 found = compile_case(case, Path(folder))
                 cells += [found.registers, found.spilled, found.shared, found.ctas]
@@ -315,7 +351,7 @@ def main() -> None:
     columns += ["shared bytes", "CTAs / SM", "warps / SM", "loop instructions", "wgmma", "mma.sync"]
     columns += ["per score", "per score, edge blocks"]
     lines += table(columns, rows)
-    lines += ["", *dropout_costs(rows)]
+    lines += ["", *dropout_costs(rows), "", *backward_costs(rows)]
     emit(lines, args.output)
     failed = sum(str(row[5]).startswith("FAILED") for row in rows)
     if failed:

@@ -182,6 +182,8 @@ COMPILE = textwrap.dedent(
     def compile(spec, data, constexprs):
         fn = kernel_function(spec).jit
         sig = signature(fn, data)
+        if spec.name.endswith(":with_dq"):  # dq added in float32
+            sig["DQ"] = "*fp32"
         constexprs = {k: v for k, v in constexprs.items() if k in sig}
         for k in constexprs:
             sig[k] = "constexpr"
@@ -249,13 +251,16 @@ ATTENTION = textwrap.dedent(
         grads = dict(bias_grad=flags["bias"], rel_grad=flags["relative"])
         for spec in attention.backward_specs(**grads, **flags):
             compile(spec, data, {**constexprs, "BLOCK_R": 16})
+        (with_dq,) = attention.backward_specs(**grads, one_launch=True, **flags)[1:]
+        compile(with_dq, data, constexprs)
     # contiguous head dims, one key/value head per query head and the first dropout stream arrive
     # as the constant 1
     ones = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=1, stream=1)
     every = kernel_flags(bias=True, mask=True, dropout=True)
     compile(attention.forward_spec(**every), "*bf16", {**tiles(128, "tf32"), **ones})
-    for spec in attention.backward_specs(bias_grad=True, **every)[1:]:
-        compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
+    for one_launch in (False, True):
+        for spec in attention.backward_specs(bias_grad=True, one_launch=one_launch, **every)[1:]:
+            compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
     # the mask's block lists at the forward's default tiles at head dim 64
     compile(attention.BLOCKS, "*i1", dict(SKIP_EMPTY=True, BLOCK_R=128, BLOCK_C=64))
     """
@@ -350,7 +355,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 
 def test_attention_template_variants_compile_to_hopper_cubins():
-    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 4 + 3 + 1
+    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 5 + 4 + 1
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():

@@ -1,6 +1,7 @@
 """The static resource report: the attention and norm kernels, compiled for sm_90 at their default
 launch configurations with no GPU, spill nothing at head dims up to 128 and norm widths up to 8192,
-in bf16, fp16 and fp32; and in 16 bits the attention products run on wgmma."""
+in bf16, fp16 and fp32; in 16 bits the attention products run on wgmma; the backward's default
+number of launches issues the fewer instructions."""
 
 import os
 import subprocess
@@ -57,7 +58,8 @@ def dropout_costs(report):
 
 def test_every_kernel_and_dtype_is_in_the_report(rows):
     seen = {(row["kernel"], row["dtype"]) for row in rows}
-    for kernel in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "add_norm_fwd"):
+    attention = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dkdv:with_dq")
+    for kernel in (*attention, "attention_bwd_dq", "add_norm_fwd"):
         for dtype in ("bf16", "fp16", "fp32"):
             assert (kernel, dtype) in seen
     assert {row["size"] for row in rows if row["kernel"] == "add_norm_bwd"} == {
@@ -76,19 +78,39 @@ def test_the_report_gives_what_dropout_costs_each_attention_kernel(rows, dropout
     assert same and all(float(row["with / without"]) > 1 for row in same)
 
 
+@pytest.fixture(scope="module")
+def backward_costs(report):
+    """The report's third table: the backward in one launch and in two."""
+    return table_rows(report.split("The backward's cost")[1])
+
+
+def test_the_backward_runs_in_one_launch_by_default_where_it_issues_less(rows, backward_costs):
+    """One row per attention case, dtype and head dim; where one launch is the default it issues
+    fewer instructions per score than the two launches together (the evidence the default
+    stands on), and it is the default in 16 bits at head dim 64."""
+    cases = {(r["kernels"], r["dtype"], r["size"]) for r in rows if "attention" in r["kernels"]}
+    assert {(r["kernels"], r["dtype"], r["size"]) for r in backward_costs} == cases
+    for row in backward_costs:
+        if row["default launches"] == "one":
+            assert float(row["one / two"]) < 1, row
+    sixteen_bits = [r for r in backward_costs if r["dtype"] != "fp32" and r["size"] == "64"]
+    assert sixteen_bits and all(r["default launches"] == "one" for r in sixteen_bits)
+
+
 def test_no_default_configuration_spills(rows):
     spilling = [row for row in rows if row["spilled bytes"] != "0"]
     assert not spilling, [(r["kernels"], r["kernel"], r["dtype"], r["size"]) for r in spilling]
 
 
 def test_attention_in_16_bits_runs_its_products_on_wgmma(rows):
-    """Every product on wgmma, but for dkdv with dropout at head dim 128: there its all-wgmma
-    tiles spill (dropout's Philox rounds hold registers), so it takes 32-query tiles, whose scores
-    (32 rows) run on mma.sync."""
+    """Every product on wgmma, but for dkdv with dropout and dkdv adding dq at head dim 128: there
+    their all-wgmma tiles spill (dropout's Philox rounds, dq's tile hold registers), so they take
+    32-query tiles, whose scores (32 rows) run on mma.sync."""
     for row in rows:
         if not row["kernel"].startswith("attention") or row["dtype"] == "fp32":
             continue
         assert int(row["wgmma"]) > 0, row
         mixed = "dropout" in row["kernels"] and row["kernel"] == "attention_bwd_dkdv"
+        mixed = mixed or row["kernel"] == "attention_bwd_dkdv:with_dq"
         if not (mixed and row["size"] == "128"):
             assert row["mma.sync"] == "0", row

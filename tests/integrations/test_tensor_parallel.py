@@ -412,7 +412,8 @@ def test_a_subclass_graph_seqfast_fails_on_runs_as_captured(monkeypatch, failing
 
 
 KERNELS = {
-    "attention": ("attention_fwd", "attention_bwd_dq"), "norm": ("add_norm_fwd", "add_norm_bwd"),
+    "attention": ("attention_fwd", "attention_bwd_dkdv:with_dq"),
+    "norm": ("add_norm_fwd", "add_norm_bwd"),
     "loss": ("cross_entropy",), "pointwise": ("pointwise:forward", "pointwise:backward"),
 }  # fmt: skip
 """Kernels a family's fused sites launch, forward and backward."""

@@ -159,7 +159,7 @@ def assert_written_as_eager(compiled_model, eager_model, compiled_bases, eager_b
     ],
 )
 @pytest.mark.kernels(
-    "attention_fwd", "attention_bwd_dq", "add_norm_fwd", "add_norm_bwd", "cross_entropy"
+    "attention_fwd", "attention_bwd_dkdv:with_dq", "add_norm_fwd", "add_norm_bwd", "cross_entropy"
 )
 @pytest.mark.rotating(2)  # half the cases per run, in turn: the default run has a time budget
 def test_grads_in_any_layout_receive_eagers_sum(impl, accumulate_grads, rest, layouts, caplog):

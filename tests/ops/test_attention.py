@@ -21,14 +21,34 @@ from seqcompile.ops.attention.dropout import keep_mask
 attention = torch.ops.seqfast.attention
 FLOAT32_MIN = torch.finfo(torch.float32).min
 
+ONE_LAUNCH = ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv:with_dq")
+TWO_LAUNCHES = ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq")
+
 # With finfo.min masked scores the kernels' `(s - row_max) * log2(e)` overflows to -inf in float32,
 # whose exp2 is the 0 it stands for; the interpreter (numpy) warns about it.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
-    pytest.mark.kernels(
-        "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq"
-    ),
+    pytest.mark.kernels(*ONE_LAUNCH),
 ]
+
+
+BACKWARDS = ("one launch", "two launches")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(BACKWARDS[0], marks=pytest.mark.kernels(*ONE_LAUNCH)),
+        pytest.param(BACKWARDS[1], marks=pytest.mark.kernels(*TWO_LAUNCHES)),
+    ]
+)
+def backward(request, monkeypatch):
+    """Which way the backward's kernels run: dq added by the dk/dv kernel, or dq from its own
+    kernel after dk and dv (each the default at some head dims and dtypes, and the device may
+    measure either faster)."""
+    one = request.param == BACKWARDS[0]
+    variant = attention_kernels.ONE_LAUNCH if one else attention_kernels.TWO_LAUNCHES
+    monkeypatch.setattr(attention_kernels, "backward_variants", lambda q: [variant])
+    return request.param
 
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
@@ -156,7 +176,7 @@ SHAPES = [  # (Lq, Lk, head_dim): every length, Lq < Lk and Lq > Lk, every head 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("lq,lk,d", SHAPES)
-def test_shapes_and_dtypes(impl, lq, lk, d, dtype):
+def test_shapes_and_dtypes(impl, backward, lq, lk, d, dtype):
     g = torch.Generator().manual_seed(lq * 1000 + lk * 10 + d)
     b, h = (1, 2) if lq * lk > 1000 else (2, 2)
     q, k, v = qkv(g, b, h, lq, lk, d, dtype=dtype)
@@ -174,7 +194,7 @@ FLAGS = [(bias, mask, causal, dropout) for bias in (0, 1) for mask in (0, 1)
     FLAGS,
     ids=["".join("BMCD"[i] if on else "-" for i, on in enumerate(f)) for f in FLAGS],
 )
-def test_every_feature_combination(impl, bias, mask, causal, dropout):
+def test_every_feature_combination(impl, backward, bias, mask, causal, dropout):
     g = torch.Generator().manual_seed(11)
     b, h, lq, lk, d = 2, 1, 19, 23, 32
     q, k, v = qkv(g, b, h, lq, lk, d)
@@ -253,7 +273,7 @@ def test_boolean_masks_and_fully_masked_rows(impl, kind, masked_value):
 
 
 @pytest.mark.parametrize("kind", ["t5", "padding", "2d"])
-def test_float_bias_gradient_sums_over_broadcast_dims(impl, kind):
+def test_float_bias_gradient_sums_over_broadcast_dims(impl, backward, kind):
     g = torch.Generator().manual_seed(3)
     b, h, lq, lk, d = 2, 2, 17, 21, 16
     q, k, v = qkv(g, b, h, lq, lk, d)
@@ -387,7 +407,7 @@ def test_packed_documents(impl, causal, window, shuffled):
 
 
 @pytest.mark.interpreter
-def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
+def test_the_kernels_skip_the_blocks_of_other_documents(interpret, backward):
     """Two documents of one 16-row block each (the interpreter's tiles): NaN in the second's
     queries and values reaches nothing of the first's, which only a skipped block explains (a
     visited block would multiply a zero probability by NaN)."""
@@ -396,18 +416,15 @@ def test_the_kernels_skip_the_blocks_of_other_documents(interpret):
     q[..., 16:, :] = v[..., 16:, :] = math.nan
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     doc_q, doc_kv = packed([(16,)], 32)
-    with counting_launches() as launches:
-        out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, 0, "",
-                              doc_q, doc_kv)  # fmt: skip
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    ran = ["attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"]
-    assert all(launches.of(name) for name in ran), f"kernels {ran} were never launched"
+    out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, 0, "",
+                          doc_q, doc_kv)  # fmt: skip
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     for t in (out, dq, dk, dv):
         assert t[..., :16, :].isfinite().all()
 
 
 @pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
-def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, masked_value):
+def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, backward, masked_value):
     """A causal triangle held in a tensor, over two 16-row blocks (the interpreter's tiles), so
     the first query block never sees the second key block. NaN in the second block's queries and
     values reaches nothing of the first block's rows (output, dq); NaN in the first block's
@@ -428,7 +445,8 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, masked_valu
         with counting_launches() as launches:
             out, _, _ = attention(q, k, v, None, triangle, None, 0, 0.0, 0.25, False, masked_value)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
-        assert launches.of("attention_blocks") == 3  # the forward's, dk and dv's, dq's lists
+        lists = 3 if backward == "two launches" else 2  # the forward's, dk and dv's, dq's
+        assert launches.of("attention_blocks") == lists
         reached = (out, dq) if poisoned is second else (dk, dv)
         finite += [t[..., seen, :].isfinite().all().item() for t in reached]
     assert finite == [masked_value == -math.inf] * 4
@@ -439,7 +457,7 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, masked_valu
     [(-math.inf, "batch"), pytest.param(FLOAT32_MIN, "head", marks=pytest.mark.slow)],
     ids=["-inf", "finfo.min"],
 )
-def test_mask_block_lists(interpret, monkeypatch, masked_value, varies):
+def test_mask_block_lists(interpret, backward, monkeypatch, masked_value, varies):
     """The lists the kernels walk (by query for the forward and dq, by key for dk and dv), against
     the mask's blocks counted in torch: per row block, the blocks where every score is allowed
     (crossing no edge), then those where some are, or any other with a finite masked value; a
@@ -460,7 +478,8 @@ def test_mask_block_lists(interpret, monkeypatch, masked_value, varies):
     q, k, v = (t.requires_grad_() for t in qkv(g, b, h, lq, lk, 16))
     out, _, _ = attention(q, k, v, None, mask, None, 0, 0.0, 0.25, False, masked_value)
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    assert [keys for *_, keys, _ in made] == [False, True, False]  # forward, dk and dv, dq
+    dq_lists = [False] if backward == "two launches" else []  # dq's own kernel's, by query
+    assert [keys for *_, keys, _ in made] == [False, True, *dq_lists]  # forward, dk and dv
     for rows_block, cols_block, keys, (lists, counts, stride_b, stride_h) in made:
         grid = mask.expand(b, h, lq, lk)[:, :1] if varies == "batch" else mask[:1]
         grid = grid.transpose(-1, -2) if keys else grid
@@ -545,7 +564,7 @@ def test_other_element_wise_modifications(impl, modify):
 @pytest.mark.parametrize(
     "kv_heads,causal", [pytest.param(2, False, marks=pytest.mark.slow), (1, False), (2, True)]
 )
-def test_grouped_query_heads(impl, kv_heads, causal):
+def test_grouped_query_heads(impl, backward, kv_heads, causal):
     """Four query heads share 2 or 1 key/value heads: dk and dv sum over the sharing heads."""
     g = torch.Generator().manual_seed(6)
     q, k, v = qkv(g, 2, 4, 17, 23, 16, kv_heads=kv_heads)
@@ -642,8 +661,7 @@ def test_dropout_keeps_a_number_equal_to_the_threshold_only(interpret):
         assert torch.equal(out != 0, keep_mask(seed, shape, stream, p)), p
 
 
-@pytest.mark.kernels("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq")
-def test_dropout_whose_p_rounds_to_1_drops_everything(impl):
+def test_dropout_whose_p_rounds_to_1_drops_everything(impl, backward):
     """p within 2^-17 of 1 takes the threshold 2^16, which no number reaches: every output and
     gradient is zero (the kernels' threshold, shifted into a word's high half, wraps there)."""
     g = torch.Generator().manual_seed(13)
@@ -655,7 +673,23 @@ def test_dropout_whose_p_rounds_to_1_drops_everything(impl):
     assert all(not g.any() for g in grads)
 
 
-def test_dropout_backward_drops_what_the_forward_dropped(impl):
+@pytest.mark.kernels(*TWO_LAUNCHES)
+def test_deterministic_algorithms_take_the_backward_without_atomics(interpret):
+    """Float atomics add in any order, so under deterministic algorithms dq comes from its own
+    kernel; otherwise the dk/dv kernel adds it (one launch)."""
+    g = torch.Generator().manual_seed(21)
+    q, k, v = qkv(g, 1, 2, 20, 24, 16)
+    assert attention_kernels.backward_variants(q)[0] == attention_kernels.ONE_LAUNCH
+    torch.use_deterministic_algorithms(True)
+    try:
+        with counting_launches() as launches:
+            run_and_compare(q, k, v, causal=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launches.of("attention_bwd_dkdv:with_dq") == 0
+
+
+def test_dropout_backward_drops_what_the_forward_dropped(impl, backward):
     """One query row per (batch, head): dv[j] is that row's kept probability of key j times the
     gradient, so it is zero exactly where the forward dropped (0, j)."""
     g = torch.Generator().manual_seed(10)
@@ -849,7 +883,7 @@ def test_empty_lengths(impl, h, lq, lk):
     [((1, 2, 1, 45), False, 0), ((2, 1, 1, 45), True, 0), ((1, 2, 1, 45), True, 9)],
     ids=["per-head", "per-batch-causal", "per-head-window"],
 )
-def test_relative_bias_and_its_gradient(impl, shape, causal, window):
+def test_relative_bias_and_its_gradient(impl, backward, shape, causal, window):
     """A learned value per key - query diagonal (T5's buckets, ALiBi by distance), beside a bias
     and a padding mask, at lengths that do not divide the blocks: its gradient sums the scores'
     along each diagonal and over the dims it broadcasts, as autograd does for the (Lq, Lk) bias

@@ -131,6 +131,18 @@ def test_attention_flops_and_workspace_come_from_its_entry_for_the_cost_and_memo
     assert with_workspace.peak_bytes > without.peak_bytes
 
 
+def test_attention_workspace_holds_dq_in_float32_where_one_launch_adds_it():
+    """In 16 bits at head dim 64 the backward's default is one launch, which adds dq in float32
+    before rounding it: its workspace holds that sum beside the row deltas."""
+    b, h, n, d = 1, 2, 5, 64
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    _, _, backward = _compiled_graphs(F.scaled_dot_product_attention, q, k, v)
+    (grad,) = [
+        n for n in backward.graph.nodes if n.target is torch.ops.seqfast.attention_backward.default
+    ]
+    assert registry.workspace_of(grad) == 4 * b * h * n * (1 + d)
+
+
 @pytest.mark.parametrize("frozen, products", [(False, 3), (True, 2)])
 def test_the_fused_loss_flops_count_the_gradients_it_makes(frozen, products):
     hidden = torch.randn(16, 8, requires_grad=True)

@@ -23,8 +23,7 @@ NEG_INF = float("-inf")
 TRAINING_KERNELS = (
     "attention_fwd",
     "attention_bwd_delta",
-    "attention_bwd_dkdv",
-    "attention_bwd_dq",
+    "attention_bwd_dkdv:with_dq",
 )
 pytestmark = pytest.mark.kernels(*TRAINING_KERNELS)
 """Every test runs on both paths (`impl`): what the kernels compute must be what was checked."""
@@ -326,8 +325,7 @@ MASK_SPELLINGS = {
 TRAINING_KERNELS = (
     "attention_fwd",
     "attention_bwd_delta",
-    "attention_bwd_dkdv",
-    "attention_bwd_dq",
+    "attention_bwd_dkdv:with_dq",
 )
 MODES = [
     pytest.param("inference", marks=[pytest.mark.kernels("attention_fwd"), pytest.mark.slow]),

@@ -22,8 +22,7 @@ MIN = torch.finfo(torch.float32).min
 ATTENTION_KERNELS = (
     "attention_fwd",
     "attention_bwd_delta",
-    "attention_bwd_dkdv",
-    "attention_bwd_dq",
+    "attention_bwd_dkdv:with_dq",
 )
 
 

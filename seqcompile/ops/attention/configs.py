@@ -6,8 +6,11 @@ The defaults are what the sm_90 compile (`python -m benchmarks.kernel_resources`
 no spills with or without causal masking and dropout, matrix products on wgmma where the tile
 allows (64 rows per warpgroup), and the fewest loop instructions per score among those. The
 other candidates are the nearest tiles and the earlier fixed tiles, so that tuning can trade
-occupancy for tile size on the device and never does worse than those did; the space stays small,
-since the first launch at each size times all of it.
+occupancy for tile size on the device and never does worse than those did, and FlexAttention's
+sm_90 forward default where our kernel compiles it without spilling (128 x 64, 8 warps, 3 stages
+at head dim 128; its 128 x 128 with 4 warps at head dim 64 spills 80 bytes here, and the same tile
+with 8 warps is a candidate); the space stays small, since the first launch at each size times
+all of it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import triton
 
 from seqcompile.run.tuning import Config
 
-KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq")
+KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dkdv:with_dq", "attention_bwd_dq")
+"""The kernels by name (`KernelSpec.name`): dk and dv's kernel adding dq (`with_dq`) takes its own
+tiles, its dq tile beside dk's and dv's holding more registers."""
 
 
 def block_d(head_dim: int) -> int:
@@ -45,19 +50,34 @@ def space(
     ]
 
 
+def one_launch_first(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the backward runs in one launch by default (`kernels.backward_variants`): where the
+    sm_90 compile shows dk and dv's kernel adding dq issuing fewer instructions per score than
+    dk/dv's and dq's kernels together (head dims up to 64 in 16 bits: 20-21 against 23.6, five
+    matrix products against seven). Wider, its dq tile beside dk's and dv's takes 32-row tiles or
+    spills, and the two launches come first (the device may still measure one faster)."""
+    return block_d(head_dim) * dtype.itemsize // 2 <= 64
+
+
 # Per kernel, rows of (largest head dim in 16-bit elements, [(BLOCK_M, BLOCK_N, warps, stages),
 # ...], the default's index with dropout): BLOCK_M query rows by BLOCK_N key columns. The forward
 # and dq walk key blocks for a block of queries, dkdv query blocks for a block of keys.
 _TABLES = {
     "attention_fwd": [
         (64, [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)], 0),
-        (128, [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1)], 3),
+        (128, [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 1)], 3),
         (256, [(64, 32, 8, 1), (64, 16, 4, 1), (32, 32, 4, 1), (64, 32, 4, 1)], 2),
         (512, [(32, 32, 4, 1), (64, 32, 8, 1), (16, 32, 4, 1)], 2),
     ],
     "attention_bwd_dkdv": [
         (64, [(64, 64, 4, 2), (128, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 1)], 3),
         (128, [(128, 64, 8, 1), (64, 64, 8, 1), (64, 32, 8, 2), (32, 64, 8, 1)], 3),
+        (256, [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1)], 0),
+        (512, [(16, 32, 4, 1), (32, 32, 4, 1)], 0),
+    ],
+    "attention_bwd_dkdv:with_dq": [
+        (64, [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 1)], 3),
+        (128, [(32, 64, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1), (64, 64, 4, 1)], 0),
         (256, [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1)], 0),
         (512, [(16, 32, 4, 1), (32, 32, 4, 1)], 0),
     ],

@@ -10,7 +10,7 @@ import torch
 
 from seqcompile.fx_utils import concrete
 from seqcompile.ops.attention import configs, score_mods
-from seqcompile.ops.attention.kernels import reads_mask_blocks
+from seqcompile.ops.attention.kernels import ONE_LAUNCH, backward_variants, reads_mask_blocks
 from seqcompile.ops.fused_op import Call
 
 Tensor = torch.Tensor
@@ -120,11 +120,14 @@ def key_blocks(
 
 def backward_workspace(call: Call) -> int:
     """Each query row's delta, the float32 bias gradient at the scores' full size before it is
-    summed to the bias's shape (when the bias needs one), and the relative bias's per (batch,
-    head) (when it needs one)."""
+    summed to the bias's shape (when the bias needs one), the relative bias's per (batch,
+    head) (when it needs one), and dq's float32 sum where the default backward adds it in one
+    launch to a q of another dtype."""
     q, k = call.value("q"), call.value("k")
     lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
     rows = concrete(q.numel()) // concrete(q.shape[-1])
     bias = rows * lk if call["bias_grad"] else 0
     relative = rows // max(lq, 1) * (lq + lk - 1) if call["rel_grad"] else 0
-    return 4 * (rows + bias + relative)
+    one_launch = backward_variants(q)[0] == ONE_LAUNCH and q.dtype != torch.float32
+    dq_sum = concrete(q.numel()) if one_launch else 0
+    return 4 * (rows + bias + relative + dq_sum)

@@ -12,7 +12,9 @@ import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
 from seqcompile.ops.attention import configs, reference, score_mods
+from seqcompile.ops.fused_op import Call
 from seqcompile.run import runtime, tuning
+from seqcompile.run.tuning import Config
 
 Tensor = torch.Tensor
 
@@ -22,12 +24,36 @@ def forward_spec(**flags: bool) -> KernelSpec:
     return KernelSpec.of("attention_fwd", **flags)
 
 
-def backward_specs(*, bias_grad: bool, rel_grad: bool = False, **flags: bool) -> list[KernelSpec]:
+def backward_specs(
+    *, bias_grad: bool, rel_grad: bool = False, one_launch: bool = False, **flags: bool
+) -> list[KernelSpec]:
+    """The backward's kernels for the flags `_flags` gives: the row deltas, then dk, dv and dq in
+    one launch (`one_launch`), or dk and dv, then dq."""
+    grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
+    if one_launch:
+        return [DELTA, KernelSpec.of("attention_bwd_dkdv", mode="with_dq", **grads, **flags)]
     return [
         DELTA,
         KernelSpec.of("attention_bwd_dkdv", **flags),
-        KernelSpec.of("attention_bwd_dq", bias_grad=bias_grad, rel_grad=rel_grad, **flags),
+        KernelSpec.of("attention_bwd_dq", **grads, **flags),
     ]
+
+
+ONE_LAUNCH = Config.of(ONE_LAUNCH=1)
+TWO_LAUNCHES = Config.of(ONE_LAUNCH=0)
+
+
+def backward_variants(q: Tensor) -> list[Config]:
+    """How the backward on queries `q` may run, default first: dk, dv and dq in one launch, each
+    key block adding its share of dq atomically (FlashAttention-2's way: five matrix products,
+    each dropout mask drawn once), or dk and dv, then dq from its own launch (seven products, the
+    probabilities made twice); the device measures which is faster, the default by head dim and
+    dtype (`configs.one_launch_first`). Under deterministic algorithms only the second: float
+    atomics add in any order."""
+    if torch.are_deterministic_algorithms_enabled():
+        return [TWO_LAUNCHES]
+    both = [ONE_LAUNCH, TWO_LAUNCHES]
+    return both if configs.one_launch_first(q.shape[-1], q.dtype) else both[::-1]
 
 
 DELTA = KernelSpec.of("attention_bwd_delta")
@@ -64,12 +90,16 @@ def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
     return [BLOCKS] * flags["blocks"] + [forward_spec(**flags)]
 
 
-def backward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
-    """The kernels an `attention_backward` call launches: the row deltas, the mask's block lists
-    where it reads them (for dk and dv, then for dq), dk and dv, dq."""
+def backward_kernels_of(call: Call) -> list[KernelSpec]:
+    """The kernels an `attention_backward` call launches by default (`backward_variants`): the row
+    deltas, the mask's block lists where it reads them (for dk and dv, then for dq), dk and dv,
+    and dq with them or after them."""
     flags = _flags(call)
-    specs = backward_specs(bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], **flags)
-    return specs[:1] + [BLOCKS] * flags["blocks"] + specs[1:]
+    one_launch = backward_variants(call.value("q"))[0] == ONE_LAUNCH
+    specs = backward_specs(
+        bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], one_launch=one_launch, **flags
+    )
+    return specs[:1] + [BLOCKS] * flags["blocks"] * (len(specs) - 1) + specs[1:]
 
 
 def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
@@ -107,15 +137,20 @@ def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys
     return [lists, counts, lists_h * row_blocks if lists_b > 1 else 0, row_blocks * (lists_h > 1)]
 
 
+def _sizes(q: Tensor, k: Tensor) -> tuple:
+    """The tuning key of a launch on q and k: dtype, head dim, and the sizes rounded up to powers
+    of two."""
+    b, h, lq, d = q.shape
+    return (q.dtype, d, *(triton.next_power_of_2(n) for n in (lq, k.shape[2], b * h)))
+
+
 def _launch(spec: KernelSpec, q: Tensor, k: Tensor, grid_of, launch, repeatable=True) -> None:
     """Launch the kernel of `spec` at the configuration chosen for q's dtype and sizes:
     `launch(config, grid)`, the grid from `grid_of(config)`."""
-    b, h, lq, d = q.shape
-    sizes = (q.dtype, d, *(triton.next_power_of_2(n) for n in (lq, k.shape[2], b * h)))
     dropout = dict(spec.key)["dropout"]
-    space = configs.space(spec.template, d, q.dtype, q.device.type, dropout)
+    space = configs.space(spec.name, q.shape[3], q.dtype, q.device.type, dropout)
     tuning.launch(
-        spec, sizes, space, lambda c: launch(c, grid_of(c)), q.device, repeatable=repeatable
+        spec, _sizes(q, k), space, lambda c: launch(c, grid_of(c)), q.device, repeatable=repeatable
     )
 
 
@@ -231,37 +266,92 @@ def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
 def _launch_backward(
     call: Mapping[str, Any], dq: Tensor, dk: Tensor, dv: Tensor, *bias_grads: Tensor | None
 ) -> None:
-    """The row deltas, then dk and dv, then dq and the float32 bias gradients, for the
-    launcher's arguments `call` by the schema's names."""
-    q, k, v, grad_out, p = (call[name] for name in ("q", "k", "v", "grad_out", "p"))
+    """The row deltas, then dk, dv, dq and the float32 bias gradients in the way the device
+    measures fastest (`backward_variants`), for the launcher's arguments `call` by the schema's
+    names."""
+    q, k, grad_out = call["q"], call["k"], call["grad_out"]
     b, h, lq, d = q.shape
-    kv_heads, lk = k.shape[1], k.shape[2]
     delta = runtime.empty((b, h, lq), torch.float32, q.device)
     block_r = 64 if q.device.type == "cuda" else 16
     kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
         grad_out, call["out"], delta, b * h * lq,
         HEAD_DIM=d, BLOCK_D=configs.block_d(d), BLOCK_R=block_r,
     )  # fmt: skip
-    dkdv_spec, dq_spec = backward_kernels_of(call)[-2:]
-    pointers, scalars = _common_args(**call)
-    seed_args = [call["seed"]] if p > 0 else []
-    dropout_args = (p, call["stream"]) if p > 0 else ()
-    rows = (grad_out, call["row_max"], call["log_sum"], delta)
-    constants = dict(HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v))
-    _launch(
-        dkdv_spec, q, k, lambda c: (triton.cdiv(lk, c["BLOCK_N"]) * b * kv_heads,),
-        lambda c, grid: kernel_function(dkdv_spec)[grid](
-            q, k, v, *pointers, *_mask_blocks(call, c["BLOCK_N"], c["BLOCK_M"], keys=True),
-            *seed_args, *rows, dk, dv, *scalars, *dropout_args,
-            **constants, **c.launch_options(),
-        ),
+    launches = _BackwardLaunches(call, delta, dq, dk, dv, [t for t in bias_grads if t is not None])
+    flags = _flags(call)
+    tuning.launch(
+        KernelSpec.of("attention_backward", **flags, bias_grad=call["bias_grad"]),
+        _sizes(q, k), backward_variants(q),
+        lambda variant: launches.one() if variant == ONE_LAUNCH else launches.two(),
+        q.device, repeatable=launches.repeatable,
     )  # fmt: skip
-    _launch(
-        dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
-        lambda c, grid: kernel_function(dq_spec)[grid](
-            q, k, v, *pointers, *_mask_blocks(call, c["BLOCK_M"], c["BLOCK_N"]), *seed_args,
-            *rows, dq, *(t for t in bias_grads if t is not None),
-            *scalars, *dropout_args, **constants, **c.launch_options(),
-        ),
-        repeatable=bias_grads[-1] is None,  # the relative bias's gradient is added atomically
-    )  # fmt: skip
+
+
+class _BackwardLaunches:
+    """The two ways of launching the backward's kernels after the row deltas, into dq, dk, dv and
+    the bias gradients."""
+
+    def __init__(self, call: Mapping[str, Any], delta: Tensor, dq, dk, dv, bias_grads) -> None:
+        self.call, self.dq, self.dk, self.dv, self.bias_grads = call, dq, dk, dv, bias_grads
+        q, v, p = call["q"], call["v"], call["p"]
+        self.pointers, self.scalars = _common_args(**call)
+        self.seed = [call["seed"]] if p > 0 else []
+        self.dropout = (p, call["stream"]) if p > 0 else ()
+        self.rows = (call["grad_out"], call["row_max"], call["log_sum"], delta)
+        self.constants = dict(HEAD_DIM=q.shape[3], DOT_PRECISION=_dot_precision(q, v))
+        self.repeatable = not call["rel_grad"]  # the relative bias's gradient is added atomically
+
+    def _specs(self, one_launch: bool) -> list[KernelSpec]:
+        call = self.call
+        return backward_specs(
+            bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], one_launch=one_launch,
+            **_flags(call),
+        )[1:]  # fmt: skip
+
+    def _dkdv(self, spec: KernelSpec, *dq_outputs: Tensor) -> None:
+        """The dk/dv kernel of `spec`, its outputs followed by `dq_outputs` (the first, dq in
+        float32, zeroed before each launch: the kernel adds into it)."""
+        q, k, v, call = self.call["q"], self.call["k"], self.call["v"], self.call
+        b, kv_heads, lk = k.shape[0], k.shape[1], k.shape[2]
+
+        def launch(c: Config, grid: tuple[int]) -> None:
+            if dq_outputs:
+                dq_outputs[0].zero_()
+            kernel_function(spec)[grid](
+                q, k, v, *self.pointers, *_mask_blocks(call, c["BLOCK_N"], c["BLOCK_M"], keys=True),
+                *self.seed, *self.rows, self.dk, self.dv, *dq_outputs, *self.scalars,
+                *self.dropout, **self.constants, **c.launch_options(),
+            )  # fmt: skip
+
+        def grid_of(c: Config) -> tuple[int]:
+            return (triton.cdiv(lk, c["BLOCK_N"]) * b * kv_heads,)
+
+        _launch(spec, q, k, grid_of, launch, repeatable=self.repeatable or not dq_outputs)
+
+    def one(self) -> None:
+        """dk, dv and dq in one launch: dq added in float32 (into dq itself when it is float32),
+        then rounded to its dtype."""
+        (spec,) = self._specs(True)
+        dq = self.dq
+        total = (
+            dq if dq.dtype == torch.float32 else runtime.empty(dq.shape, torch.float32, dq.device)
+        )
+        self._dkdv(spec, total, *self.bias_grads)
+        if total is not dq:
+            dq.copy_(total)
+
+    def two(self) -> None:
+        """dk and dv, then dq and the bias gradients."""
+        dkdv_spec, dq_spec = self._specs(False)
+        self._dkdv(dkdv_spec)
+        q, k, v, call = self.call["q"], self.call["k"], self.call["v"], self.call
+        b, h, lq = q.shape[:3]
+        _launch(
+            dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
+            lambda c, grid: kernel_function(dq_spec)[grid](
+                q, k, v, *self.pointers, *_mask_blocks(call, c["BLOCK_M"], c["BLOCK_N"]),
+                *self.seed, *self.rows, self.dq, *self.bias_grads, *self.scalars, *self.dropout,
+                **self.constants, **c.launch_options(),
+            ),
+            repeatable=self.repeatable,
+        )  # fmt: skip
