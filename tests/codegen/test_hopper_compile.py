@@ -261,8 +261,9 @@ ATTENTION = textwrap.dedent(
     for one_launch in (False, True):
         for spec in attention.backward_specs(bias_grad=True, one_launch=one_launch, **every)[1:]:
             compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
-    # the mask's block lists at the forward's default tiles at head dim 64
-    compile(attention.BLOCKS, "*i1", dict(SKIP_EMPTY=True, BLOCK_R=128, BLOCK_C=64))
+    # the mask's block lists at the forward's default tiles at head dim 64, with causal, by key
+    lists = dict(SKIP_EMPTY=True, CAUSAL=True, KEYS=True, BLOCK_R=128, BLOCK_C=64)
+    compile(attention.BLOCKS, "*i1", lists)
     """
 )
 

@@ -453,15 +453,24 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, backward, m
 
 
 @pytest.mark.parametrize(
-    "masked_value, varies",
-    [(-math.inf, "batch"), pytest.param(FLOAT32_MIN, "head", marks=pytest.mark.slow)],
-    ids=["-inf", "finfo.min"],
+    "masked_value, varies, causal, window",
+    [
+        (-math.inf, "batch", False, 0),
+        (-math.inf, "head", True, 0),
+        (FLOAT32_MIN, "batch", True, 20),
+        pytest.param(FLOAT32_MIN, "head", False, 0, marks=pytest.mark.slow),
+        pytest.param(-math.inf, "batch", False, 9, marks=pytest.mark.slow),
+    ],
+    ids=["-inf", "-inf-causal", "finfo.min-causal-window", "finfo.min", "-inf-window"],
 )
-def test_mask_block_lists(interpret, backward, monkeypatch, masked_value, varies):
+def test_mask_block_lists(
+    interpret, backward, monkeypatch, masked_value, varies, causal, window
+):  # fmt: skip
     """The lists the kernels walk (by query for the forward and dq, by key for dk and dv), against
-    the mask's blocks counted in torch: per row block, the blocks where every score is allowed
-    (crossing no edge), then those where some are, or any other with a finite masked value; a
-    mask varying by batch gives a list per batch, one varying by head a list per head."""
+    the blocks counted in torch: per row block, the blocks where every score is allowed by the
+    mask, causal and the window (crossing no edge), then those where some are, or with a finite
+    masked value those where causal and the window allow some; a mask varying by batch gives a
+    list per batch, one varying by head a list per head."""
     made = []
     real = attention_kernels._mask_blocks
 
@@ -476,13 +485,18 @@ def test_mask_block_lists(interpret, backward, monkeypatch, masked_value, varies
     mask[..., :16, :16] = True  # full blocks, by query and by key (the interpreter's 16 x 16)
     mask[..., 16:32, :16] = False  # empty ones
     q, k, v = (t.requires_grad_() for t in qkv(g, b, h, lq, lk, 16))
-    out, _, _ = attention(q, k, v, None, mask, None, 0, 0.0, 0.25, False, masked_value)
+    out, _, _ = attention(
+        q, k, v, None, mask, None, 0, 0.0, 0.25, causal, masked_value, window
+    )  # fmt: skip
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     dq_lists = [False] if backward == "two launches" else []  # dq's own kernel's, by query
     assert [keys for *_, keys, _ in made] == [False, True, *dq_lists]  # forward, dk and dv
+    query, key = torch.arange(lq)[:, None], torch.arange(lk)
+    seen = ((key <= query) | (not causal)) & ((query - key < window) | (window == 0))
     for rows_block, cols_block, keys, (lists, counts, stride_b, stride_h) in made:
         grid = mask.expand(b, h, lq, lk)[:, :1] if varies == "batch" else mask[:1]
-        grid = grid.transpose(-1, -2) if keys else grid
+        grid = grid & seen
+        grid, seen_grid = (grid.transpose(-1, -2), seen.T) if keys else (grid, seen)
         row_blocks, col_blocks = -(-grid.shape[-2] // rows_block), -(-grid.shape[-1] // cols_block)
         assert (stride_b, stride_h) == ((row_blocks, 0) if varies == "batch" else (0, row_blocks))
         lists = lists[:-1].view(*grid.shape[:2], row_blocks, col_blocks)  # (one element over)
@@ -492,12 +506,14 @@ def test_mask_block_lists(interpret, backward, monkeypatch, masked_value, varies
             counts.view(-1, 2).tolist(),
             strict=True,
         ):
-            blocks = grid[i, j, r * rows_block : (r + 1) * rows_block].split(cols_block, -1)
+            block_rows = slice(r * rows_block, (r + 1) * rows_block)
+            blocks = grid[i, j, block_rows].split(cols_block, -1)
+            visible = seen_grid[block_rows].split(cols_block, -1)
             inside = (rows_block, cols_block)  # (the kernels bound a block crossing an edge)
             whole = [n for n, t in enumerate(blocks) if t.all() and t.shape[-2:] == inside]
             some = [n for n, t in enumerate(blocks) if n not in whole]
-            if masked_value == -math.inf:
-                some = [n for n in some if blocks[n].any()]
+            read = blocks if masked_value == -math.inf else visible
+            some = [n for n in some if read[n].any()]
             row = lists[i, j, r].tolist()
             assert row[:full] == whole
             assert sorted(row[len(row) - partial :]) == some

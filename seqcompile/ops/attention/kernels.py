@@ -77,10 +77,10 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
 
 
 def reads_mask_blocks(call: Mapping[str, Any]) -> bool:
-    """Whether the kernels walk the mask's block lists (`_mask_blocks`): a boolean mask is the
-    only thing that hides scores, so the lists say every block a program visits."""
-    hidden = call["causal"] or call["window"] > 0 or call["doc_q"] is not None
-    return call["mask"] is not None and not hidden and call["prefix"] is None
+    """Whether the kernels walk the mask's block lists (`_mask_blocks`): a boolean mask hides
+    scores, alone or with causal masking and a sliding window (which the lists take in), so the
+    lists say every block a program visits. Packed documents and a prefix keep their own loops."""
+    return call["mask"] is not None and call["doc_q"] is None and call["prefix"] is None
 
 
 def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
@@ -132,7 +132,8 @@ def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys
     counts = runtime.empty((lists_b * lists_h * row_blocks * 2 + 1,), torch.int32, q.device)
     kernel_function(BLOCKS)[(lists_b * lists_h * row_blocks,)](
         mask, lists, counts, stride_b, stride_h, stride_r, stride_c, lists_h, rows, cols,
-        SKIP_EMPTY=call["masked_value"] == -math.inf, BLOCK_R=rows_block, BLOCK_C=cols_block,
+        call["window"], SKIP_EMPTY=call["masked_value"] == -math.inf, CAUSAL=call["causal"],
+        KEYS=keys, BLOCK_R=rows_block, BLOCK_C=cols_block,
     )  # fmt: skip
     return [lists, counts, lists_h * row_blocks if lists_b > 1 else 0, row_blocks * (lists_h > 1)]
 
