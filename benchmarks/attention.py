@@ -19,7 +19,9 @@ tensor) and a full bias as a `score_mod`; it takes no dropout. It is compiled on
 eager, forward only, on CPU (it has no CPU backward). Before an executor is timed it is checked
 against SDPA: with dropout off, the largest max|a - b| / max|b| over the output and dq, dk, dv;
 with dropout on, shapes and finiteness only. "x sdpa" is sdpa ms / ms, so above 1 is faster than
-SDPA. Compile time is never timed (first calls are warm-up).
+SDPA. Compile time is never timed (first calls are warm-up). On CUDA, "seqfast(one launch)" and
+"seqfast(two launches)" run the backward each way (dq added by dk and dv's kernel, or from its
+own), beside "seqfast", which runs the way its first call measured faster.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import seqcompile.ops.attention  # noqa: F401  (registers torch.ops.seqfast.attention)
 from benchmarks.common import add_size_options, brief, emit, header, progress, table, timed_ms
+from seqcompile.ops.attention import kernels as attention_kernels
 
 Tensor = torch.Tensor
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max|a - b| / max|b| against SDPA
@@ -342,8 +345,33 @@ def executors_of(t: Inputs, case: Case) -> dict[str, Callable[..., Tensor] | str
         )
     executors["flex"] = flex_executor(t, case)
     executors["seqfast"] = seqfast_attention
+    if t.q.device.type == "cuda":  # (on CPU the op runs its reference)
+        executors.update(dict.fromkeys(BACKWARDS, seqfast_attention))
     executors["eager"] = eager_attention
     return executors
+
+
+BACKWARDS = {
+    "seqfast(one launch)": attention_kernels.ONE_LAUNCH,
+    "seqfast(two launches)": attention_kernels.TWO_LAUNCHES,
+}
+"""seqfast with its backward in each way (`kernels.backward_variants`); the row "seqfast" runs
+the way its first call measured faster."""
+
+
+@contextlib.contextmanager
+def backward_forced(name: str):
+    """The backward of the executor `name` run one way, where its name says one."""
+    variant = BACKWARDS.get(name)
+    if variant is None:
+        yield
+        return
+    chosen = attention_kernels.backward_variants
+    attention_kernels.backward_variants = lambda q: [variant]
+    try:
+        yield
+    finally:
+        attention_kernels.backward_variants = chosen
 
 
 def bench_case(case: Case, dtype: torch.dtype, device: torch.device, cap_gib: float):
@@ -360,12 +388,13 @@ def bench_case(case: Case, dtype: torch.dtype, device: torch.device, cap_gib: fl
             continue
         backward = name != "flex" or device.type == "cuda"
         try:
-            outputs = forward_backward(fn, t, backward)
-            result = check(outputs, reference, case)
-            reference = reference or outputs
-            del outputs
-            if not result.failed:
-                result.fwd_ms, result.both_ms = time_passes(fn, t, device, backward)
+            with backward_forced(name):
+                outputs = forward_backward(fn, t, backward)
+                result = check(outputs, reference, case)
+                reference = reference or outputs
+                del outputs
+                if not result.failed:
+                    result.fwd_ms, result.both_ms = time_passes(fn, t, device, backward)
         except torch.cuda.OutOfMemoryError:
             result = Result("OOM")
         except RuntimeError as error:  # recorded and counted as a failure, not hidden
