@@ -51,7 +51,7 @@ def test_the_kernel_computes_causal_and_window_and_reads_the_padding(model, impl
     fast, loss, report = step(case, implementation, compiled=True)
     keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
     assert keys and all(
-        key == kernel_flags(mask=True, causal=True, window=windowed) for key in keys
+        key == kernel_flags(mask=True, blocks=True, causal=True, window=windowed) for key in keys
     ), keys
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)
@@ -93,7 +93,7 @@ def test_gemma2_caps_its_scores_and_windows_every_other_layer():
     eager, expected, _ = step(case, "eager", compiled=False)
     fast, loss, report = step(case, "eager", compiled=True)
     keys = [attention_flags(k.spec) for k in report.kernels if k.spec.template == "attention_fwd"]
-    common = dict(mask=True, causal=True, score_mod=True)
+    common = dict(mask=True, blocks=True, causal=True, score_mod=True)
     assert keys == [kernel_flags(**common, window=True), kernel_flags(**common)], keys
     assert report.counts["attention"] == 2
     assert all("attention" not in m.pattern for m in report.missed), report
@@ -152,14 +152,15 @@ def test_t5_reads_its_relative_position_bias_per_diagonal(implementation):
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
 def test_alibi_models_read_their_slopes_per_key(name):
     """BLOOM, MPT and Falcon add ALiBi as slopes times key positions: the kernel reads it as one
-    value per key and head, and the padding per key, and computes causal."""
+    value per key and head, and the padding per key by its block lists, and computes causal."""
     (case,) = [c for c in CASES if c.name == name]
     eager, expected, _ = step(case, "eager", compiled=False)
     fast, loss, report = step(case, "eager", compiled=True)
     assert len(report.sites) == case.sites["attention"], report.sites
     for line in report.sites:
         what = line.split(": ", 2)[2]
-        assert what.startswith("causal, reads a mask (2, 1, 1, 10), reads a bias ("), line
+        assert what.startswith("causal, reads a mask (2, 1, 1, 10) by block lists"), line
+        assert ", reads a bias (" in what, line
         assert f", {LENGTH}, {LENGTH})" not in what, line
     torch.testing.assert_close(loss, expected)
     assert_gradients_match(fast, eager)

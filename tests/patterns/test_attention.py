@@ -331,7 +331,7 @@ def test_sdpa_with_a_hugging_face_causal_and_padding_mask_reads_only_the_padding
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     report = fused(fn, [*qkv(lq=10, lk=10), padding(lk=10).view(B, 10)])
-    assert forward_kernel_key(report) == kernel_flags(mask=True, causal=True)
+    assert forward_kernel_key(report) == kernel_flags(mask=True, blocks=True, causal=True)
 
 
 @pytest.mark.parametrize(
@@ -582,7 +582,7 @@ def test_t5_relative_position_buckets_are_read_per_diagonal(bidirectional, sdpa,
     gradient there; the table's gradient matches eager (checked by `fused`)."""
     report = fused(T5Attention(bidirectional, sdpa), [*qkv(lq=lq, lk=lk), padding(lk=lk)])
     assert forward_kernel_key(report) == kernel_flags(
-        mask=True, blocks=bidirectional, causal=not bidirectional, relative=True
+        mask=True, blocks=True, causal=not bidirectional, relative=True
     )
     assert bias_grads_key(report)["rel_grad"] is True
     (line,) = report.sites
@@ -804,7 +804,8 @@ def test_prefixes_the_kernel_cannot_combine_are_read_as_masks(keep, computed):
 
     key = forward_kernel_key(fused(fn, [*qkv(lq=20, lk=20), prefix_lengths()]))
     read = computed != ["causal"]
-    assert key == kernel_flags(mask=read, **dict.fromkeys(computed, True)), key
+    lists = read and "prefix" not in computed  # (a prefix keeps its own loops)
+    assert key == kernel_flags(mask=read, blocks=lists, **dict.fromkeys(computed, True)), key
 
 
 def prefix_lm(q, k, v, lengths, pad):
@@ -944,8 +945,9 @@ def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits()
     report = fused(fn, [*qkv(lq=40, lk=40), padding(lk=40)])
     (line,) = report.sites
     assert line.endswith(
-        "causal, sliding window 5, reads a mask (2, 1, 1, 40);"
-        " the forward visits 5 of 9 16x16 blocks per head"
+        "causal, sliding window 5, reads a mask (2, 1, 1, 40) by block lists made on each call"
+        " (the kernels skip the blocks it hides whole and read it where it hides some);"
+        " the forward visits 5 of 9 16x16 blocks per head, less those the mask hides whole"
     ), line
 
 
@@ -1277,7 +1279,7 @@ def test_a_mask_compared_with_zero_is_split_into_its_factors():
         return softmax_v(scores(q, k).masked_fill((keep & subsequent) == 0, -1e9), v)
 
     report = fused(fn, [*qkv(LQ, LQ), padding(lk=LQ)])
-    assert forward_kernel_key(report) == kernel_flags(causal=True, mask=True)
+    assert forward_kernel_key(report) == kernel_flags(causal=True, mask=True, blocks=True)
     (line,) = report.sites
     assert f"reads a mask ({B}, 1, 1, {LQ})" in line, line
 
