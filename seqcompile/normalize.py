@@ -365,6 +365,7 @@ RULES: list[Rule] = [
     Rule("bmm_as_matmul", _bmm_as_matmul),
     Rule("einsum_as_matmul", _einsum_as_matmul),
     Rule("math_written_out", normalize_math.written_out),
+    Rule("softmax_of_shifted", normalize_math.softmax_of_shifted),
     Rule("negation_inside", normalize_nll.negation_inside),
     Rule("nll_rows_written_out", normalize_nll.rows_written_out),
     Rule("reduced_rows", normalize_nll.reduced_rows),

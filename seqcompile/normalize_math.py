@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -431,3 +432,32 @@ def written_out(node: Node, ctx: RuleContext) -> Node | None:
             replacement = ctx.call(aten.to.dtype, replacement, dtype)
         return replacement
     return None
+
+
+_ROW_MAXES = (aten.amax.default, aten.max.dim)
+_PASSING = (aten.detach.default, aten.alias.default)
+
+
+def softmax_of_shifted(node: Node, ctx: RuleContext) -> Node | None:
+    """`softmax(x - max(x, d, keepdim=True), d)` becomes `softmax(x, d)`: softmax subtracts each
+    row's max itself, so the shift (written against float16 and bfloat16 overflow, as GPT-OSS's
+    attention with sinks writes it) changes only a rounding of x - m; a row holding +-inf or only
+    -inf gives NaN either way. (`_safe_softmax` keeps its shift: it gives 0, not NaN, for a row
+    of -inf, which the shift turns into NaN.)"""
+    if not is_call(node, aten.softmax.int, aten._softmax.default):
+        return None
+    y, rank = node.args[0], rank_of(node)
+    if not is_call(y, aten.sub.Tensor) or arg(y, 2, "alpha", 1) != 1 or not rank:
+        return None
+    x, m = y.args[:2]
+    while is_call(m, *_PASSING):
+        m = m.args[0]
+    if is_call(m, operator.getitem) and m.args[1] == 0:
+        m = m.args[0]  # (max.dim's values)
+    if not is_call(m, *_ROW_MAXES) or m.args[0] is not x or not arg(m, 2, "keepdim", False):
+        return None
+    dims = arg(m, 1, "dim")
+    dims = dims if isinstance(dims, list | tuple) else [dims]
+    if [d % rank for d in dims] != [node.args[1] % rank]:
+        return None
+    return ctx.call(node.target, x, *node.args[1:], **node.kwargs)

@@ -146,8 +146,10 @@ class AccumulatingCalls(TorchDispatchMode):
 
 
 def kernel_flags(**on: bool) -> dict[str, bool]:
-    """The attention kernels' flags (their key as `attention_flags` gives it), those named set."""
+    """The attention forward kernel's flags (its key as `attention_flags` gives it), those named
+    set."""
     flags = (
+        "sink",
         "bias",
         "mask",
         "blocks",

@@ -54,6 +54,18 @@ def normalized(fn, *inputs):
             aten.rsqrt.default,
         ),
         (lambda x: (x + 1) ** -0.5, "rsqrt_spellings", aten.pow.Tensor_Scalar, aten.rsqrt.default),
+        (
+            lambda x: (x - x.max(-1, keepdim=True).values).softmax(-1),
+            "softmax_of_shifted",
+            aten.sub.Tensor,
+            aten.softmax.int,
+        ),
+        (
+            lambda x: F.softmax(x - x.amax(0, keepdim=True).detach(), 0, dtype=torch.float64),
+            "softmax_of_shifted",
+            aten.sub.Tensor,
+            aten.softmax.int,
+        ),
     ],
     ids=[
         "dropout-p0",
@@ -66,6 +78,8 @@ def normalized(fn, *inputs):
         "div-sqrt",
         "recip-sqrt",
         "pow-half",
+        "softmax-max-shifted",
+        "softmax-amax-shifted",
     ],
 )
 def test_rule(fn, rule, absent, present):
@@ -92,8 +106,20 @@ def test_real_casts_and_active_dropout_stay():
         (lambda x: x / 3.0, torch.rand(4)),
         (lambda x: x / 1e39, torch.rand(4)),
         (lambda x: torch.ops.aten._to_copy(x, dtype=torch.float32), torch.rand(4)),
+        (lambda x: (x - x.max(0, keepdim=True).values).softmax(-1), torch.rand(3, 4)),
+        (lambda x: (x - x.max(-1).values[..., None]).softmax(-1), torch.rand(3, 4)),
+        (lambda x: (x - x.amax(-1, keepdim=True)).log_softmax(-1), torch.rand(3, 4)),
     ],
-    ids=["int-pow-float", "bool-square", "div-by-3", "div-by-huge", "to_copy-same-dtype"],
+    ids=[
+        "int-pow-float",
+        "bool-square",
+        "div-by-3",
+        "div-by-huge",
+        "to_copy-same-dtype",
+        "softmax-shifted-by-another-dim",
+        "softmax-shifted-without-keepdim",
+        "log-softmax",
+    ],
 )
 def test_rules_leave_spellings_that_differ_in_result_alone(fn, x):
     graph, fired, _ = normalized(fn, x)

@@ -53,7 +53,7 @@ def backward(request, monkeypatch):
 
 def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value=-math.inf,
              keep=None, p=0.0, window=0, modify=None, docs=None, rel_bias=None,
-             prefix=None):  # fmt: skip
+             prefix=None, sink=None):  # fmt: skip
     """The op's math from eager ops (call it with float64 tensors): the output and the scores after
     the modification `modify`, biases, mask, causal and window. A row whose every score is -inf
     gives 0, as SDPA defines it."""
@@ -82,8 +82,12 @@ def composed(q, k, v, bias=None, mask=None, *, scale, causal=False, masked_value
         rows, cols = s.shape[-2:]  # query i sees keys j with i - j < window
         far = torch.arange(rows)[:, None] - torch.arange(cols)[None, :] >= window
         s = s.masked_fill(far, -math.inf)
+    if sink is not None:  # one more logit per row, its column dropped after the softmax
+        s = torch.cat([s, sink.expand(*s.shape[:-1], 1)], -1)
     dead = (s == -math.inf).all(-1, keepdim=True)
     prob = s.masked_fill(dead, 0.0).softmax(-1).masked_fill(dead, 0.0)
+    if sink is not None:
+        prob = prob[..., :-1]
     if keep is not None:
         prob = torch.where(keep, prob / (1 - p), 0.0)
     return prob @ v, s
@@ -104,29 +108,31 @@ def qkv(g, b, h, lq, lk, d, *, kv_heads=None, dtype=torch.float32):
 
 def run_and_compare(q, k, v, bias=None, mask=None, *, causal=False, masked_value=-math.inf,
                     p=0.0, seed=20240917, stream=3, scale=None, window=0,
-                    modify=None, docs=None, rel_bias=None, prefix=None):  # fmt: skip
+                    modify=None, docs=None, rel_bias=None, prefix=None,
+                    sink=None):  # fmt: skip
     """Run the op and its backward and compare the output, the row statistics and the gradient of
     every operand that requires one with `composed` in float64. Returns the output and those
-    gradients (in the order q, k, v, bias, rel_bias)."""
+    gradients (in the order q, k, v, bias, rel_bias, sink)."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seed_t = torch.tensor(seed, dtype=torch.int64) if p > 0 else None
     out, row_max, log_sum = attention(
         q, k, v, bias, mask, seed_t, stream, p, scale, causal, masked_value, window,
         score_mods.register(modify, "a test's") if modify is not None else "",
-        *(docs or (None, None)), rel_bias, prefix,
+        *(docs or (None, None)), rel_bias, prefix, sink,
     )  # fmt: skip
-    operands = [t for t in (q, k, v, bias, rel_bias) if t is not None]
+    operands = [t for t in (q, k, v, bias, rel_bias, sink) if t is not None]
     doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     keep = None
     if p > 0:
         keep = keep_mask(seed_t, torch.Size((*row_max.shape, k.shape[-2])), stream, p)
     names = ["q", "k", "v"] + ["bias"] * (bias is not None) + ["rel_bias"] * (rel_bias is not None)
+    names += ["sink"] * (sink is not None)
     by_name = dict(zip(names, doubles, strict=True))
     expected, s = composed(
         by_name["q"], by_name["k"], by_name["v"], by_name.get("bias"), mask, scale=scale,
         causal=causal, masked_value=masked_value, keep=keep, p=p, window=window, modify=modify,
-        docs=docs, rel_bias=by_name.get("rel_bias"), prefix=prefix,
+        docs=docs, rel_bias=by_name.get("rel_bias"), prefix=prefix, sink=by_name.get("sink"),
     )  # fmt: skip
     tol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
@@ -892,6 +898,48 @@ def test_empty_lengths(impl, h, lq, lk):
 
 # --------------------------------------------------------------------------------------------
 # a bias by key - query position
+
+
+# --------------------------------------------------------------------------------------------
+# attention sinks
+
+
+@pytest.mark.parametrize(
+    "shape, causal, masked",
+    [((1, 2, 1, 1), True, False), ((2, 1, 20, 1), False, True), ((20, 1), True, True)],
+    ids=["per-head", "per-batch-and-query", "per-query"],
+)
+def test_attention_sinks(impl, backward, shape, causal, masked):
+    """A sink logit per row joins the softmax's denominator with no value: the output, the row
+    statistics and every gradient, the sink's included, against the concatenated column dropped
+    after the softmax; with a padding mask whose last row hides every key, that row's weight all
+    goes to the sink (output 0)."""
+    g = torch.Generator().manual_seed(23)
+    q, k, v = qkv(g, 2, 2, 20, 37, 16)
+    sink = randn(g, *shape, scale=2.0)
+    mask = torch.rand(2, 1, 20, 37, generator=g) > 0.3 if masked else None
+    if masked:
+        mask[..., -1, :] = False
+    out, _ = run_and_compare(q, k, v, None, mask, causal=causal, sink=sink)
+    if masked:
+        assert not out[..., -1, :].any()
+
+
+@pytest.mark.kernels("attention_fwd")
+def test_a_sink_of_minus_infinity_is_no_sink(impl):
+    g = torch.Generator().manual_seed(24)
+    q, k, v = qkv(g, 1, 2, 9, 21, 16)
+    sink = torch.full((1, 2, 1, 1), -math.inf)
+    out, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, True, -math.inf, sink=sink)
+    plain, _, _ = attention(q, k, v, None, None, None, 0, 0.0, 0.25, True, -math.inf)
+    torch.testing.assert_close(out, plain)
+
+
+def test_a_sink_of_the_wrong_shape_is_refused():
+    q = k = v = torch.randn(1, 2, 5, 8)
+    for sink in (torch.zeros(1, 2, 1, 5), torch.zeros(2, 5, 1, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="sink must be floating point and broadcast to"):
+            attention(q, k, v, None, None, None, 0, 0.0, 0.25, False, -math.inf, sink=sink)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checks import attention_flags, check_fusion, kernel_flags
+from conftest import KERNELS_IN_SLOW_TIER
 
 from seqcompile.memory.saved import saved_tensors
 from seqcompile.ops.attention.cost import key_blocks, visible_pairs
@@ -601,6 +602,52 @@ class DistanceAlibi(torch.nn.Module):
         q_idx, kv_idx = positions(q.shape[-2])
         bias = -(q_idx - kv_idx).abs() * self.slopes.view(1, H, 1, 1)
         return softmax_v(scores(q, k) + bias, v)
+
+
+class SinkAttention(torch.nn.Module):
+    """GPT-OSS's eager attention: a learned logit per head joins each row's softmax (the row's max
+    subtracted first, against bfloat16 overflow), its column dropped after it."""
+
+    def __init__(self, shift=True):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
+        self.shift = shift
+
+    def forward(self, q, k, v, mask):
+        weights = scores(q, k) + mask
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        combined = torch.cat([weights, sinks], dim=-1)
+        if self.shift:
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+        return F.dropout(probs[..., :-1], p=0.0) @ v
+
+
+@pytest.mark.parametrize("shift", [True, False], ids=["max-shifted", "plain"])
+@KERNELS_IN_SLOW_TIER
+@pytest.mark.kernels("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv:with_dq")
+def test_attention_sinks_fuse_with_the_sinks_gradient(impl, shift):
+    """The sink's column is read as the op's `sink` (the additive mask given, Hugging Face's, as a
+    bias), and its gradient matches eager's (checked by `fused`)."""
+    causal = torch.full((LQ, LQ), MIN).triu(1).expand(B, 1, LQ, LQ)
+    report = fused(SinkAttention(shift), [*qkv(lk=LQ), causal])
+    assert forward_kernel_key(report) == kernel_flags(sink=True, bias=True)
+    (line,) = report.sites
+    assert "a sink logit per query" in line, line
+
+
+def test_a_sink_column_kept_through_the_matmul_is_refused():
+    """Probabilities with the sink's column reaching `@ v` (v given a zero row): not fused, and
+    the report says why."""
+
+    def fn(q, k, v, sink):
+        combined = torch.cat([scores(q, k), sink.expand(B, H, LQ, 1)], -1)
+        return combined.softmax(-1) @ torch.cat([v, torch.zeros(B, H, 1, D)], -2)
+
+    check_fusion(
+        fn, [*qkv(), torch.zeros(1, H, 1, 1)], counts={"attention": 0},
+        missed=["with the sink's column"],
+    )  # fmt: skip
 
 
 def test_alibi_by_distance_is_read_per_diagonal_with_the_slopes_gradient():

@@ -3,7 +3,8 @@
 
     scores = g(q @ k^T * scale), g the registered score modification `score_mod` (or none)
     biased = scores + bias + rel_bias[..., 0, j - i + Lq - 1]     (query i, key j)
-    out = dropout(softmax(where(mask, biased, masked_value), causal, prefix, window, docs), p) @ v
+    out = dropout(softmax(where(mask, biased, masked_value), causal, prefix, window, docs,
+                          sink), p) @ v
 
 q is (..., H, Lq, D) and k, v are (..., Hk, Lk, D). Batch dimensions broadcast as matmul's do,
 except that the head dimension (the third from last) may also group: H a multiple of Hk, query head
@@ -19,9 +20,12 @@ of another document takes -inf, as above the causal diagonal), which skips the b
 query shares a document with a key. `rel_bias` (..., 1, Lq + Lk - 1), a bias that depends only on
 the key's position less the query's (T5's relative-position buckets, ALiBi by distance), is read
 per diagonal, never spread to the scores' size, and its gradient is summed per diagonal in the
-kernel. q @ k^T runs in q's dtype and probs @ v in v's, with float32 accumulation. Returns `(out,
-row_max, log_sum)`, out in v's dtype; the backward saves q, k, v, out and the two per-row
-statistics, never the probabilities, and regenerates the dropout mask from the seed.
+kernel. `sink` (..., Lq, 1), float, is one more logit in each row's softmax with no value
+(attention sinks): the forward starts each row from it, and its gradient, minus its probability
+times the row's delta, is summed in plain ATen after the backward's kernels. q @ k^T runs in q's
+dtype and probs @ v in v's, with float32 accumulation. Returns `(out, row_max, log_sum)`, out in
+v's dtype; the backward saves q, k, v, out and the two per-row statistics, never the
+probabilities, and regenerates the dropout mask from the seed.
 
 Its parts: `op.py` declares the ops (schema, fake implementations, checks, autograd), `kernels.py`
 launches the generated kernels of `templates/`, `reference.py` is the plain-ATen definition (the

@@ -72,6 +72,8 @@ def describe(call: Call) -> str | None:
         kinds.append(f"reads a bias {_shape(call.value('bias'))}")
     if call["rel_bias"] is not None:
         kinds.append(f"reads a bias by key - query position {_shape(call.value('rel_bias'))}")
+    if call["sink"] is not None:
+        kinds.append(f"adds a sink logit per query {_shape(call.value('sink'))} to the softmax")
     if call["doc_q"] is not None:
         kinds.append(
             "compares document ids (skipping blocks where no query shares a key's document,"

@@ -19,9 +19,10 @@ from seqcompile.run.tuning import Config
 Tensor = torch.Tensor
 
 
-def forward_spec(**flags: bool) -> KernelSpec:
-    """The forward kernel for the flags `_flags` gives."""
-    return KernelSpec.of("attention_fwd", **flags)
+def forward_spec(*, sink: bool = False, **flags: bool) -> KernelSpec:
+    """The forward kernel for the flags `_flags` gives, starting each row from a sink logit with
+    `sink` (the backward needs no flag for it: the row statistics hold it)."""
+    return KernelSpec.of("attention_fwd", sink=sink, **flags)
 
 
 def backward_specs(
@@ -87,7 +88,7 @@ def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
     """The kernels an `attention` call launches (`call`: its arguments by name): the mask's block
     lists where it reads them, and the forward."""
     flags = _flags(call)
-    return [BLOCKS] * flags["blocks"] + [forward_spec(**flags)]
+    return [BLOCKS] * flags["blocks"] + [forward_spec(sink=call["sink"] is not None, **flags)]
 
 
 def backward_kernels_of(call: Call) -> list[KernelSpec]:
@@ -202,12 +203,15 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, seed, stream, p, **others: Any):
         return out.zero_(), row_max.zero_(), log_sum.fill_(math.inf)
     spec = forward_kernels_of(arguments)[-1]
     pointers, scalars = _common_args(**arguments)
+    sink = arguments.get("sink")
+    sinks = [] if sink is None else [sink]  # (b, h, m) strides of each query's logit
+    sink_strides = _strides4(sink, (b, h, lq, 1))[:3]
     _launch(
         spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
         lambda c, grid: kernel_function(spec)[grid](
-            q, k, v, *pointers, *_mask_blocks(arguments, c["BLOCK_M"], c["BLOCK_N"]),
+            q, k, v, *pointers, *sinks, *_mask_blocks(arguments, c["BLOCK_M"], c["BLOCK_N"]),
             *([seed] if p > 0 else []), out, row_max, log_sum,
-            *scalars, *((p, stream) if p > 0 else ()),
+            *scalars, *((p, stream) if p > 0 else ()), *sink_strides,
             HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **c.launch_options(),
         ),
     )  # fmt: skip
@@ -229,12 +233,16 @@ def backward(**arguments: Any):
     dk = runtime.empty(k.shape, q.dtype, q.device)
     dv = runtime.empty(v.shape, v.dtype, q.device)
     dbias_full, drel_full = _bias_grads(**arguments)
-    if q.numel() == 0 or k.shape[2] == 0:
+    sink = arguments.get("sink")
+    if q.numel() == 0 or k.shape[2] == 0:  # (no values: every output row and delta is 0)
         for t in (dq, dk, dv, dbias_full):
             if t is not None:
                 t.zero_()
+        dsink = None if sink is None else torch.zeros_like(sink)
     else:
-        _launch_backward(arguments, dq, dk, dv, dbias_full, drel_full)
+        delta = _launch_backward(arguments, dq, dk, dv, dbias_full, drel_full)
+        row_max, log_sum = arguments["row_max"], arguments["log_sum"]
+        dsink = None if sink is None else reference.sink_grad(sink, row_max, log_sum, delta)
     if bias_grad:
         dbias = dbias_full.sum_to_size(bias.shape).to(bias.dtype).contiguous()
     else:
@@ -243,7 +251,9 @@ def backward(**arguments: Any):
         drel = drel_full.unsqueeze(2).sum_to_size(rel_bias.shape).to(rel_bias.dtype)
     else:
         drel = reference.no_bias_grad(q, rel_bias)
-    return dq, _as_dtype(dk, k.dtype), dv, dbias, drel
+    if not arguments.get("sink_grad"):
+        dsink = reference.no_bias_grad(q, sink)
+    return dq, _as_dtype(dk, k.dtype), dv, dbias, drel, dsink
 
 
 def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
@@ -266,10 +276,10 @@ def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
 
 def _launch_backward(
     call: Mapping[str, Any], dq: Tensor, dk: Tensor, dv: Tensor, *bias_grads: Tensor | None
-) -> None:
+) -> Tensor:
     """The row deltas, then dk, dv, dq and the float32 bias gradients in the way the device
     measures fastest (`backward_variants`), for the launcher's arguments `call` by the schema's
-    names."""
+    names; returns the deltas (grad_out . out per row)."""
     q, k, grad_out = call["q"], call["k"], call["grad_out"]
     b, h, lq, d = q.shape
     delta = runtime.empty((b, h, lq), torch.float32, q.device)
@@ -286,6 +296,7 @@ def _launch_backward(
         lambda variant: launches.one() if variant == ONE_LAUNCH else launches.two(),
         q.device, repeatable=launches.repeatable,
     )  # fmt: skip
+    return delta
 
 
 class _BackwardLaunches:

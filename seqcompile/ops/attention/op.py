@@ -22,10 +22,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 ARGUMENTS = """Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? mask, Tensor? seed, int stream,
     float p, float scale, bool causal, float masked_value, int window=0, str score_mod="",
-    Tensor? doc_q=None, Tensor? doc_kv=None, Tensor? rel_bias=None, Tensor? prefix=None"""
+    Tensor? doc_q=None, Tensor? doc_kv=None, Tensor? rel_bias=None, Tensor? prefix=None,
+    Tensor? sink=None"""
 """The forward's arguments, which the backward also takes (see the package's docstring)."""
 BACKWARD_ARGUMENTS = """Tensor out, Tensor row_max, Tensor log_sum, bool bias_grad,
-    bool rel_grad=False"""
+    bool rel_grad=False, bool sink_grad=False"""
 """What the backward takes besides the incoming gradient `grad_out` and the forward's arguments:
 what the forward returned, and which bias gradients to compute."""
 
@@ -79,7 +80,7 @@ def _(call: Call):
 
 VIEWED = dict(
     grad_out="heads", q="heads", k="kv_heads", v="kv_heads", out="heads",
-    bias=None, mask=None, doc_q=None, doc_kv=None, rel_bias=None, prefix=None,
+    bias=None, mask=None, doc_q=None, doc_kv=None, rel_bias=None, prefix=None, sink=None,
 )  # fmt: skip
 """The tensor arguments the implementations take as 4-D views, and the layout's heads each spans
 (None: its own, broadcast to the scores')."""
@@ -125,9 +126,18 @@ def _checked_layout(*, q, k, v, bias, mask, seed, p, window, **more) -> Layout:
     return layout
 
 
-def _check_by_position(scores, *, doc_q, doc_kv, rel_bias, prefix, causal, window, **_) -> None:
+def _check_by_position(
+    scores, *, doc_q, doc_kv, rel_bias, prefix, causal, window, sink=None, **_
+) -> None:
     """Errors in the arguments read by the query's and key's positions (documents, relative
-    bias, prefix), for scores of shape `scores`."""
+    bias, prefix) or per query (the sink), for scores of shape `scores`."""
+    if sink is not None:
+        rows = (*scores[:-1], 1)
+        if not sink.is_floating_point() or not broadcasts_to(sink.shape, rows):
+            raise ValueError(
+                f"seqfast::attention: sink must be floating point and broadcast to {rows} (one"
+                f" logit per query); got {sink.dtype} {tuple(sink.shape)}"
+            )
     if (doc_q is None) != (doc_kv is None):
         raise ValueError("seqfast::attention: doc_q and doc_kv go together")
     if doc_q is not None:
@@ -179,8 +189,8 @@ def _finite(value: float) -> float:
 
 
 def _backward(call: Call) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, dbias, drel) shaped as q, k, v, bias and rel_bias; dbias is empty unless
-    `bias_grad`, drel unless `rel_grad`."""
+    """(dq, dk, dv, dbias, drel, dsink) shaped as q, k, v, bias, rel_bias and sink; dbias is
+    empty unless `bias_grad`, drel unless `rel_grad`, dsink unless `sink_grad`."""
     impl = kernels.backward if runtime.use_kernels(call["q"]) else reference.backward
     return _backward_through(impl, call)
 
@@ -191,7 +201,7 @@ attention_backward = define(
         "Tensor grad_out",
         ARGUMENTS,
         BACKWARD_ARGUMENTS,
-        returns="(Tensor, Tensor, Tensor, Tensor, Tensor)",
+        returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     ),  # fmt: skip
     _backward,
 )
@@ -200,14 +210,13 @@ BACKWARD = torch.ops.seqfast.attention_backward.default
 
 def _backward_through(impl: Callable[..., Any], arguments: Mapping[str, Any]) -> tuple[Tensor, ...]:
     """The backward through `impl` on the 4-D views, gradients summed back to the operands'."""
-    q, k, v, bias, rel_bias = (arguments[name] for name in ("q", "k", "v", "bias", "rel_bias"))
+    q, k, v = (arguments[name] for name in "qkv")
     layout = Layout.of(q, k, v)
-    dq, dk, dv, dbias, drel = impl(**_in4(layout, arguments))
+    dq, dk, dv, *biases = impl(**_in4(layout, arguments))
     grads = tuple(layout.from4(g, like) for g, like in ((dq, q), (dk, k), (dv, v)))
-    return (
-        *grads,
-        layout.from4(dbias, bias) if arguments["bias_grad"] else dbias,
-        layout.from4(drel, rel_bias) if arguments["rel_grad"] else drel,
+    return *grads, *(
+        layout.from4(grad, arguments[name]) if arguments[f"{flag}_grad"] else grad
+        for grad, (name, flag) in zip(biases, BIASES, strict=True)
     )
 
 
@@ -224,21 +233,26 @@ def vendor_backward(**arguments: Any) -> tuple[Tensor, ...]:
 @attention_backward.register_fake
 @named(BACKWARD)
 def _(call: Call):
-    q, k, v, bias, rel_bias = (call[name] for name in ("q", "k", "v", "bias", "rel_bias"))
-    dbias = bias.new_empty(bias.shape) if call["bias_grad"] else reference.no_bias_grad(q, bias)
-    drel = (
-        rel_bias.new_empty(rel_bias.shape)
-        if call["rel_grad"]
-        else reference.no_bias_grad(q, rel_bias)
-    )
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, drel
+    q, k, v = (call[name] for name in "qkv")
+    biases = [
+        call[name].new_empty(call[name].shape)
+        if call[f"{flag}_grad"]
+        else reference.no_bias_grad(q, call[name])
+        for name, flag in BIASES
+    ]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *biases
+
+
+BIASES = (("bias", "bias"), ("rel_bias", "rel"), ("sink", "sink"))
+"""The learned terms of the scores whose gradients the backward returns after dq, dk and dv (the
+argument, and the prefix of the flag that asks for its gradient)."""
 
 
 # --------------------------------------------------------------------------------------------
 # autograd
 
 
-SAVED = ("q", "k", "v", "bias", "mask", "seed", "doc_q", "doc_kv", "rel_bias", "prefix")
+SAVED = ("q", "k", "v", "bias", "mask", "seed", "doc_q", "doc_kv", "rel_bias", "prefix", "sink")
 """The forward's arguments its backward reads as tensors (with the output and the row
 statistics); the others it takes as they were given."""
 
@@ -257,16 +271,18 @@ def _backward(ctx, grad_out, _grad_row_max, _grad_log_sum):
         return gradients(FORWARD)
     *tensors, out, row_max, log_sum = ctx.saved_tensors
     saved = dict(zip(SAVED, tensors, strict=True))
-    bias_grad = saved["bias"] is not None and needs_grad(ctx, FORWARD, "bias")
-    rel_grad = saved["rel_bias"] is not None and needs_grad(ctx, FORWARD, "rel_bias")
-    dq, dk, dv, dbias, drel = BACKWARD(
-        grad_out, out=out, row_max=row_max, log_sum=log_sum, bias_grad=bias_grad,
-        rel_grad=rel_grad, **saved, **ctx.config,
-    )  # fmt: skip
-    return gradients(
-        FORWARD, q=dq, k=dk, v=dv, bias=dbias if bias_grad else None,
-        rel_bias=drel if rel_grad else None,
-    )  # fmt: skip
+    asked = {
+        f"{flag}_grad": saved[name] is not None and needs_grad(ctx, FORWARD, name)
+        for name, flag in BIASES
+    }
+    dq, dk, dv, *biases = BACKWARD(
+        grad_out, out=out, row_max=row_max, log_sum=log_sum, **asked, **saved, **ctx.config
+    )
+    learned = {
+        name: grad if asked[f"{flag}_grad"] else None
+        for grad, (name, flag) in zip(biases, BIASES, strict=True)
+    }
+    return gradients(FORWARD, q=dq, k=dk, v=dv, **learned)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

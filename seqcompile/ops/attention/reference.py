@@ -8,7 +8,8 @@ the kernels follow: scores `q @ k^T * scale`, modified by the registered element
 rejects take `masked_value`; positions above the diagonal (causal) but for keys before the
 `prefix`, keys `window` or more positions before the query (a sliding window, when `window` > 0)
 and keys of another document than the query's (`doc_kv` unlike `doc_q`) take -inf; then
-softmax and dropout (attention's own stream, `dropout.py`). A row whose every score is -inf gives
+softmax, over each row's scores and its `sink` logit where given (a term of the denominator with
+no value), and dropout (attention's own stream, `dropout.py`). A row whose every score is -inf gives
 zero output and zero gradients (as torch's SDPA defines it); a row filled with a finite
 `masked_value` averages over all keys (as eager softmax does). `forward` and `backward` take the
 op's arguments by the names of its schema, the operands as their 4-D views.
@@ -115,9 +116,12 @@ def scores(
     return s, attend, slope
 
 
-def row_statistics(s: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row max and log of the sum of `exp(s - max)`; (0, +inf) for rows of -inf only, so that
-    `exp(s - max - log_sum)` is the softmax and is 0 on such rows."""
+def row_statistics(s: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row max and log of the sum of `exp(s - max)`, over the row's `sink` logit too where
+    given ((..., Lq, 1)); (0, +inf) for rows of -inf only, so that `exp(s - max - log_sum)` is the
+    softmax and is 0 on such rows."""
+    if sink is not None:
+        s = torch.cat([s, sink.float().expand(*s.shape[:-1], 1)], -1)
     if s.shape[-1] == 0:  # no keys at all: every row is empty
         return s.new_zeros(s.shape[:-1]), s.new_full(s.shape[:-1], math.inf)
     row_max = s.amax(-1)
@@ -141,10 +145,12 @@ def dropout_scale(
     return keep.float() / (1.0 - p)
 
 
-def forward(*, q: Tensor, v: Tensor, seed, stream, p, **others) -> tuple[Tensor, Tensor, Tensor]:
+def forward(
+    *, q: Tensor, v: Tensor, seed, stream, p, sink=None, **others
+) -> tuple[Tensor, Tensor, Tensor]:
     """The forward on the op's arguments by name (`others`: those only `scores` reads)."""
     s, _, _ = scores(q=q, **others)
-    row_max, log_sum = row_statistics(s)
+    row_max, log_sum = row_statistics(s, sink)
     prob = probabilities(s, row_max, log_sum)
     drop = dropout_scale(s.shape, seed, stream, p, q.device)
     if drop is not None:
@@ -164,6 +170,13 @@ def sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
     if h == kv_heads:  # (no heads at all included)
         return grad
     return grad.view(b, kv_heads, h // kv_heads, length, d).sum(2)
+
+
+def sink_grad(sink: Tensor, row_max: Tensor, log_sum: Tensor, delta: Tensor) -> Tensor:
+    """The gradient of the sink logits (..., Lq, 1): minus each row's sink probability times its
+    delta (grad_out . out, (..., Lq)), summed to the sink's shape."""
+    prob = torch.exp(sink.float() - (row_max + log_sum)[..., None])
+    return (-prob * delta[..., None]).sum_to_size(sink.shape).to(sink.dtype)
 
 
 def backward(*, q: Tensor, k: Tensor, v: Tensor, **others) -> tuple[Tensor, ...]:
@@ -190,6 +203,11 @@ def backward(*, q: Tensor, k: Tensor, v: Tensor, **others) -> tuple[Tensor, ...]
     ds = torch.where(attend, prob * (dp - delta), 0.0)
     dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else no_bias_grad(q, bias)
     drel = relative_grad(ds, rel_bias) if rel_grad else no_bias_grad(q, rel_bias)
+    sink = others.get("sink")
+    if others.get("sink_grad"):
+        dsink = sink_grad(sink, row_max, log_sum, delta[..., 0])
+    else:
+        dsink = no_bias_grad(q, sink)
     if slope is not None:
         ds = ds * slope
     dq = ds @ expand_heads(k, heads).float() * scale
@@ -200,4 +218,5 @@ def backward(*, q: Tensor, k: Tensor, v: Tensor, **others) -> tuple[Tensor, ...]
         sum_heads(dv, kv_heads).to(v.dtype),
         dbias.contiguous(),
         drel.contiguous(),
+        dsink.contiguous(),
     )

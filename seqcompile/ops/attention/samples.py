@@ -1,6 +1,6 @@
 """Sample inputs of `seqfast::attention` and the eager composition that defines its answer:
 every tensor argument present in some sample (biases, masks, relative bias, prefix, document
-ids), each size 0, 1 and odd, non-finite rows and rows whose every key is masked."""
+ids, sink), each size 0, 1 and odd, non-finite rows and rows whose every key is masked."""
 
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ dim between two powers of two: the first sample, which the sweep runs in every l
 
 def eager(
     q, k, v, bias, mask, scale, causal, masked_value, window, doc_q, doc_kv, rel_bias, prefix,
-    **_,
+    sink, **_,
 ) -> tuple[Tensor]:  # fmt: skip
     """softmax(q k^T * scale + bias + rel_bias, keys hidden by the mask taking `masked_value` and
-    those causal, the window, the prefix and the documents hide taking -inf) @ v; a row whose every
-    score is -inf gives 0 (as SDPA defines it)."""
+    those causal, the window, the prefix and the documents hide taking -inf; the sink's logit
+    joining each row, its column dropped after) @ v; a row whose every score is -inf gives 0 (as
+    SDPA defines it)."""
     if k.shape[-3] not in (q.shape[-3], 1, 0):  # grouped-query heads: head h reads h // group
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
@@ -49,9 +50,11 @@ def eager(
     if doc_q is not None:
         hidden = hidden | (doc_q != doc_kv)
     s = s.masked_fill(hidden, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.expand(*s.shape[:-1], 1)], -1)
     dead = (s == -math.inf).all(-1, keepdim=True)
     probs = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
-    return (probs @ v,)
+    return (probs[..., : probs.shape[-1] - (sink is not None)] @ v,)
 
 
 def _call(g, b, h, lq, lk, d, *, kv_heads=None, **given) -> dict:
@@ -61,14 +64,14 @@ def _call(g, b, h, lq, lk, d, *, kv_heads=None, **given) -> dict:
         q=randn(g, b, h, lq, d, scale=1.5), k=randn(g, b, kv, lk, d), v=randn(g, b, kv, lk, d),
         bias=None, mask=None, seed=None, stream=0, p=0.0, scale=max(d, 1) ** -0.5, causal=False,
         masked_value=-math.inf, window=0, score_mod="", doc_q=None, doc_kv=None, rel_bias=None,
-        prefix=None,
+        prefix=None, sink=None,
     )  # fmt: skip
     args.update(given)
     return args
 
 
 def _sample(name: str, args: dict) -> Sample:
-    learned = [n for n in ("bias", "rel_bias") if args[n] is not None]
+    learned = [n for n in ("bias", "rel_bias", "sink") if args[n] is not None]
     return Sample(name, args, eager, grads=("q", "k", "v", *learned))
 
 
@@ -120,7 +123,7 @@ def _values(g) -> Iterator[Sample]:
 def _features(g) -> Iterator[Sample]:
     """No mask or bias at all; the other tensor arguments: a padding mask with a sequence wholly
     padded, grouped heads (also causal over as many keys as queries), a relative bias with a
-    prefix, document ids with a window."""
+    prefix, a sink per head with padding and causal, document ids with a window."""
     batched = {**BASE, "b": 3, "h": 1}
     b, h, lq, lk, d = batched.values()
     padding = torch.rand((b, 1, 1, lk), generator=g) > 0.3
@@ -140,6 +143,8 @@ def _features(g) -> Iterator[Sample]:
         sizes = {**BASE, "lq": size}
         relative = randn(g, 1, h, 1, size + lk - 1)
         yield _sample(f"relative-lq{size}", _call(g, **sizes, causal=True, rel_bias=relative))
+    sink = randn(g, 1, BASE["h"], 1, 1, scale=2.0)  # a learned logit per head
+    yield _sample("sink-padding-causal", _call(g, **BASE, mask=padding[:1], causal=True, sink=sink))
     length = min(lq, lk)
     ids = torch.randint(0, 3, (b, 1, length), generator=g).sort(-1).values
     yield _sample(

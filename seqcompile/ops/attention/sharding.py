@@ -19,7 +19,7 @@ from seqcompile.ops.sharding import (
     shards,
 )
 
-_AUXILIARY = ("bias", "mask", "doc_q", "doc_kv", "rel_bias", "prefix")
+_AUXILIARY = ("bias", "mask", "doc_q", "doc_kv", "rel_bias", "prefix", "sink")
 """Attention's tensors that broadcast against the scores (batch, heads, queries, keys)."""
 
 

@@ -33,6 +33,7 @@ _POSITION_RULES = (
     ("rel_bias", "a bias by key - query position"),
     ("doc_q", "document ids"),
     ("prefix", "a prefix"),
+    ("sink", "an attention sink's logit"),
 )
 
 
@@ -91,8 +92,8 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, **_:
 
 def backward(
     *, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
-    log_sum: Tensor, bias: Tensor | None, rel_bias: Tensor | None, scale: float, causal: bool,
-    **_: object,
+    log_sum: Tensor, bias: Tensor | None, rel_bias: Tensor | None, sink: Tensor | None,
+    scale: float, causal: bool, **_: object,
 ):  # fmt: skip
     """(dq, dk, dv, and the empty bias gradients) on the 4-D views, from any forward's row
     statistics."""
@@ -119,6 +120,7 @@ def backward(
         sum_heads(dv, kv_heads).contiguous(),
         no_bias_grad(q, bias),
         no_bias_grad(q, rel_bias),
+        no_bias_grad(q, sink),
     )
 
 

@@ -37,6 +37,9 @@ def check(site: Site) -> Reject | None:
         return refused
     if site.p >= 1:
         return Reject("dropout p={} drops every probability", site.p)
+    refused = _sink(site, layout.scores_shape(q, k))
+    if refused is not None:
+        return refused
     order = node_order(site.out.graph)
     if site.nodes and barrier_between(min(site.nodes, key=order.__getitem__), site.out):
         return Reject("grad mode, autocast or an in-place op changes inside the attention")
@@ -100,6 +103,20 @@ def _broadcast(site: Site, scores: torch.Size) -> Reject | None:
             return Reject(
                 "mask or bias of shape {} does not broadcast to the scores {}", shape, scores
             )
+    return None
+
+
+def _sink(site: Site, scores: torch.Size) -> Reject | None:
+    """A sink is one floating-point logit per row of the scores, in the softmax's batch."""
+    if site.sink is None:
+        return None
+    sink = tensor_val(site.sink)
+    if site.batch_of is not None:
+        return Reject("a sink's logits with the batch reshaped around the softmax")
+    if not sink.is_floating_point() or not broadcasts_to(sink.shape, (*scores[:-1], 1)):
+        return Reject(
+            "a sink of {} {} is not one logit per row of the scores", sink.dtype, sink.shape
+        )
     return None
 
 

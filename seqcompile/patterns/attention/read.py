@@ -209,8 +209,11 @@ SOFTMAXES = (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default
 every score is -inf, as the kernels do."""
 
 
-def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Reject | None:
-    """From the softmax down to `probs @ v`: (that matmul, dropout p, nodes passed)."""
+def _walk_probabilities(
+    softmax: Node, sink: bool = False
+) -> tuple[Node, float, list[Node]] | Reject | None:
+    """From the softmax down to `probs @ v`: (that matmul, dropout p, nodes passed); with a
+    `sink` column last in the softmax, through the slice that drops it."""
     node, p, nodes = softmax, 0.0, [softmax]
     while True:
         users = list(node.users)
@@ -223,8 +226,12 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
             )
         user = users[0]
         if _is_values_product(user, node):
+            if sink:
+                return Reject("the probabilities reach the matmul with v with the sink's column")
             return user, p, nodes
-        if is_call(user, *CASTS, *_COPIES) or batch_reshape(user):
+        if sink and _drops_last_column(user, node):
+            sink = False
+        elif is_call(user, *CASTS, *_COPIES) or batch_reshape(user) or _same_order(user):
             pass
         elif is_call(user, aten.dropout.default) and user.args[0] is node and p == 0:
             p = float(arg(user, 1, "p"))
@@ -234,6 +241,36 @@ def _walk_probabilities(softmax: Node) -> tuple[Node, float, list[Node]] | Rejec
             return None
         nodes.append(user)
         node = user
+
+
+def _same_order(node: Node) -> bool:
+    """Whether `node` permutes no dimension (a layout's copy made as permute, clone, permute)."""
+    if not is_call(node, aten.permute.default):
+        return False
+    return list(node.args[1]) == list(range(len(node.args[1])))
+
+
+def _drops_last_column(user: Node, node: Node) -> bool:
+    """Whether `user` is `node[..., :-1]` (a slice from 0 that leaves out the last column)."""
+    if not is_call(user, aten.slice.Tensor) or user.args[0] is not node:
+        return False
+    rank = tensor_val(node).dim()
+    dim, start, step = arg(user, 1, "dim", 0), arg(user, 2, "start"), arg(user, 4, "step", 1)
+    width, kept = tensor_val(node).shape[-1], tensor_val(user).shape[-1]
+    return dim % rank == rank - 1 and start in (None, 0) and step == 1 and kept == width - 1
+
+
+def _sink_column(node: Node) -> tuple[Node, Node | None]:
+    """(the scores, the sink) where the softmax's input `node` is `cat([scores, sink], -1)`, sink
+    one column (a learned logit per head or row, StreamingLLM's and GPT-OSS's attention sinks);
+    (node, None) otherwise."""
+    if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
+        return node, None
+    scores, sink = node.args[0]
+    rank = tensor_val(node).dim()
+    if arg(node, 1, "dim", 0) % rank != rank - 1 or tensor_val(sink).shape[-1] != 1:
+        return node, None
+    return scores, sink
 
 
 def _reaches_values(node: Node, steps: int = 3) -> bool:
@@ -271,7 +308,8 @@ def _is_last_two_swap(node: Node) -> bool:
 def _read_written_out(softmax: Node) -> Site | Reject | None:
     if not is_call(softmax, *SOFTMAXES):
         return None
-    below = _walk_probabilities(softmax)
+    scores, sink = _sink_column(softmax.args[0])
+    below = _walk_probabilities(softmax, sink is not None)
     if below is None or isinstance(below, Reject):
         return below
     pv, p, prob_nodes = below
@@ -279,11 +317,12 @@ def _read_written_out(softmax: Node) -> Site | Reject | None:
     if dim % rank != rank - 1:
         return Reject("softmax over dim {}, not the key dimension (the last)", dim)
     links, score_nodes = [], []
-    qk = _walk_scores(softmax.args[0], links, score_nodes)
+    qk = _walk_scores(scores, links, score_nodes)
     if isinstance(qk, Reject):
         return qk
     site = _products(qk, pv, p)
-    site.nodes += [qk, *score_nodes, *prob_nodes]
+    site.nodes += [qk, *score_nodes, *prob_nodes, *([softmax.args[0]] if sink else [])]
+    site.sink = sink
     applied = apply_links(site, links, tensor_val(qk).shape, softmax)
     if isinstance(applied, Reject):
         return applied

@@ -165,6 +165,8 @@ class Site:
     relative: list[tuple[RelativeBias, float]] = dataclasses.field(default_factory=list)
     """Biases that depend on key - query only, with their factors: read one value per diagonal."""
     p: float = 0.0
+    sink: Node | None = None
+    """A logit per row that joins the softmax (its column dropped after it): attention sinks."""
     nodes: list[Node] = dataclasses.field(default_factory=list)
     """Written-out nodes the fused op replaces."""
     batch_of: Node | None = None

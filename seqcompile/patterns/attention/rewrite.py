@@ -66,6 +66,7 @@ def _arguments(ctx: FuseContext, site: Site, device: torch.device) -> dict[str, 
         doc_kv=site.documents.kv if site.documents else None,
         rel_bias=_relative_bias(ctx, site),
         prefix=_prefix_length(ctx, site, device),
+        sink=site.sink,
     )
 
 
