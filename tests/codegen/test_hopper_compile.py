@@ -258,6 +258,7 @@ ATTENTION = textwrap.dedent(
     ones = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=1, stream=1)
     every = kernel_flags(bias=True, mask=True, dropout=True)
     compile(attention.forward_spec(**every), "*bf16", {**tiles(128, "tf32"), **ones})
+    compile(attention.forward_spec(sink=True, **every), "*bf16", {**tiles(128, "tf32"), **ones})
     for one_launch in (False, True):
         for spec in attention.backward_specs(bias_grad=True, one_launch=one_launch, **every)[1:]:
             compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
@@ -356,7 +357,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 
 def test_attention_template_variants_compile_to_hopper_cubins():
-    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 5 + 4 + 1
+    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 5 + 5 + 1
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():
