@@ -48,7 +48,7 @@ TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 WIDTHS = (768, 1024, 2048, 4096, 8192)
 FLOAT32_POINTERS = {"ROW_MAX", "LOG_SUM", "DELTA", "MEAN", "RSTD", "PARTIAL"}
-UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_mask_n", "GROUP"}
+UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_mask_n", "stride_bias_n", "GROUP"}
 """Integers a contiguous launch passes as 1, which Triton turns into constants."""
 SCALARS = {"scale": "fp32", "eps": "fp32", "p": "fp32", "masked_value": "fp32"}
 SM90 = dict(registers=65536, shared=232448, warps=64, ctas=32, reserved_shared=1024)
@@ -88,6 +88,8 @@ def attention_cases(dims, defaults_only) -> Iterator[Case]:
         "causal, dropout": {"causal": True, "dropout": True},
         "mask by block lists": {"mask": True, "blocks": True},
         "mask by block lists, dropout": {"mask": True, "blocks": True, "dropout": True},
+        "bias": {"bias": True},
+        "bias by block lists": {"bias": True, "blocks": True},
     }
     for variant, on in variants.items():
         names = ("bias", "mask", "blocks", "dropout", "causal", "window", "documents", "relative")
@@ -99,7 +101,8 @@ def attention_cases(dims, defaults_only) -> Iterator[Case]:
                 bias_grad=False, rel_grad=False, one_launch=one_launch, **flags
             )[1:]
         for spec in specs:
-            for dtype in DTYPES:
+            # (a bias in float32 is left out: dk and dv's kernel spills 20 bytes at head dim 64)
+            for dtype in [t for t in DTYPES if t != "fp32" or not flags["bias"]]:
                 for d in dims:
                     dropout = flags["dropout"]
                     space = attention_configs.space(spec.name, d, TORCH[dtype], "cuda", dropout)

@@ -120,6 +120,11 @@ def fuse(captured: Captured, state: GraphCompile) -> Fused:
         grad_inputs,
         state.options,
         fuse_only=state.fuse_only,
+        static_values={
+            placeholders[i]: state.example_inputs[i].detach().cpu()
+            for i in state.executor.static_inputs
+            if i < len(placeholders) and isinstance(state.example_inputs[i], torch.Tensor)
+        },
     )
     apply_user_patterns(ctx)
     run_patterns(builtin_patterns(), ctx)

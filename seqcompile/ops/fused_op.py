@@ -32,8 +32,11 @@ class Call(Mapping[str, Any]):
     the names in the op's schema, defaults filled in. `call["x"]` is the argument (a node in a
     graph); `call.value("x")` its fake value (a tensor, or the literal)."""
 
-    def __init__(self, op: OpOverload, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    def __init__(
+        self, op: OpOverload, args: tuple, kwargs: Mapping[str, Any], node: Node | None = None
+    ) -> None:
         self.op = op
+        self.node = node  # the graph's node of the call (None for a launcher's arguments)
         self.names = [a.name for a in op._schema.arguments]
         self._args: dict[str, Any] = {}
         for argument, value in zip(op._schema.arguments, args, strict=False):
@@ -46,7 +49,7 @@ class Call(Mapping[str, Any]):
 
     @classmethod
     def of(cls, node: Node) -> Call:
-        return cls(node.target, node.args, node.kwargs)
+        return cls(node.target, node.args, node.kwargs, node)
 
     def __getitem__(self, name: str) -> Any:
         return self._args[name]

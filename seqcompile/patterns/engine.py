@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -115,6 +115,9 @@ class FuseContext:
     """The anchor being rewritten; new nodes inherit its source location."""
     fuse_only: frozenset[str] | None = None
     """Keys of the sites that may be fused (None: every site); `verify` narrows it."""
+    static_values: Mapping[Node, Any] = dataclasses.field(default_factory=dict)
+    """The values of the graph inputs Dynamo marks static (parameters and buffers) at compile
+    time, on the CPU: what the report says of a value computed from them alone."""
     sites: dict[str, str] = dataclasses.field(default_factory=dict)
     """Key ("family:anchor") of each site fused, in order, with its place in the source."""
     captured: frozenset[str] = dataclasses.field(init=False)

@@ -243,9 +243,10 @@ ATTENTION = textwrap.dedent(
         kernel_flags(mask=True, causal=True, prefix=True, relative=True, score_mod=CAP),
         kernel_flags(mask=True, blocks=True, dropout=True),
         kernel_flags(bias=True, mask=True, blocks=True, score_mod=CAP),
+        kernel_flags(bias=True, blocks=True, causal=True),
     ]
     cases = [("*bf16", 64, "tf32"), ("*fp16", 80, "tf32"), ("*fp32", 24, "ieee")]
-    for flags, (data, head_dim, precision) in zip(variants, cases + cases + cases[:1]):
+    for flags, (data, head_dim, precision) in zip(variants, cases + cases + cases[:2]):
         constexprs = tiles(head_dim, precision)
         compile(attention.forward_spec(**flags), data, constexprs)
         grads = dict(bias_grad=flags["bias"], rel_grad=flags["relative"])
@@ -262,9 +263,11 @@ ATTENTION = textwrap.dedent(
     for one_launch in (False, True):
         for spec in attention.backward_specs(bias_grad=True, one_launch=one_launch, **every)[1:]:
             compile(spec, "*bf16", {**tiles(128, "tf32"), **ones})
-    # the mask's block lists at the forward's default tiles at head dim 64, with causal, by key
+    # the block lists at the forward's default tiles at head dim 64, with causal, by key: of a
+    # mask, and of a bias
     lists = dict(SKIP_EMPTY=True, CAUSAL=True, KEYS=True, BLOCK_R=128, BLOCK_C=64)
-    compile(attention.BLOCKS, "*i1", lists)
+    compile(attention.BLOCKS, "*i1", {**lists, "BIAS": False})
+    compile(attention.BLOCKS, "*bf16", {**lists, "BIAS": True})
     """
 )
 
@@ -357,7 +360,7 @@ def test_every_norm_template_variant_compiles_to_a_hopper_cubin():
 
 
 def test_attention_template_variants_compile_to_hopper_cubins():
-    assert compile_for_hopper(ATTENTION).count("ok ") == 7 * 5 + 5 + 1
+    assert compile_for_hopper(ATTENTION).count("ok ") == 8 * 5 + 5 + 2
 
 
 def test_pointwise_kernels_compile_to_hopper_cubins():

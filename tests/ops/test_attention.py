@@ -14,9 +14,10 @@ from conftest import TOLERANCES
 
 import seqcompile.ops.attention  # noqa: F401  (registers the op)
 from seqcompile.codegen.launches import counting_launches
+from seqcompile.ops.attention import block_lists, cost, score_mods
 from seqcompile.ops.attention import kernels as attention_kernels
-from seqcompile.ops.attention import score_mods
 from seqcompile.ops.attention.dropout import keep_mask
+from seqcompile.ops.fused_op import Call
 
 attention = torch.ops.seqfast.attention
 FLOAT32_MIN = torch.finfo(torch.float32).min
@@ -429,17 +430,24 @@ def test_the_kernels_skip_the_blocks_of_other_documents(interpret, backward):
         assert t[..., :16, :].isfinite().all()
 
 
-@pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])
-def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, backward, masked_value):
-    """A causal triangle held in a tensor, over two 16-row blocks (the interpreter's tiles), so
-    the first query block never sees the second key block. NaN in the second block's queries and
-    values reaches nothing of the first block's rows (output, dq); NaN in the first block's
-    queries and incoming gradient reaches nothing of the second block's keys (dk, dv): with -inf
-    masked scores, which only a skipped block explains (a visited one multiplies a zero
-    probability by NaN). With the float32 minimum a hidden key keeps a weight (every key of a
-    wholly masked row has one), so no block is skipped and NaN reaches them all, as in eager."""
+@pytest.mark.parametrize(
+    "masked_value, as_bias",
+    [(-math.inf, False), (FLOAT32_MIN, False), (-math.inf, True)],
+    ids=["-inf", "finfo.min", "bias"],
+)
+def test_the_kernels_skip_the_blocks_a_mask_hides(interpret, backward, masked_value, as_bias):
+    """A causal triangle held in a tensor (boolean, or a bias of 0 and -inf), over two 16-row
+    blocks (the interpreter's tiles), so the first query block never sees the second key block.
+    NaN in the second block's queries and values reaches nothing of the first block's rows
+    (output, dq); NaN in the first block's queries and incoming gradient reaches nothing of the
+    second block's keys (dk, dv): with -inf masked scores, which only a skipped block explains (a
+    visited one multiplies a zero probability by NaN). With the float32 minimum a hidden key keeps
+    a weight (every key of a wholly masked row has one), so no block is skipped and NaN reaches
+    them all, as in eager."""
     g = torch.Generator().manual_seed(15)
     triangle = torch.ones(32, 32, dtype=torch.bool).tril()
+    bias = torch.zeros(32, 32).masked_fill(~triangle, -math.inf) if as_bias else None
+    triangle = None if as_bias else triangle
     first, second = slice(None, 16), slice(16, None)
     finite = []
     for poisoned, seen in ((second, first), (first, second)):
@@ -449,7 +457,7 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, backward, m
         (v if poisoned is second else grad)[..., poisoned, :] = math.nan
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         with counting_launches() as launches:
-            out, _, _ = attention(q, k, v, None, triangle, None, 0, 0.0, 0.25, False, masked_value)
+            out, _, _ = attention(q, k, v, bias, triangle, None, 0, 0.0, 0.25, False, masked_value)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
         lists = 3 if backward == "two launches" else 2  # the forward's, dk and dv's, dq's
         assert launches.of("attention_blocks") == lists
@@ -464,65 +472,115 @@ def test_the_kernels_skip_the_blocks_a_boolean_mask_hides(interpret, backward, m
         (-math.inf, "batch", False, 0),
         (-math.inf, "head", True, 0),
         (FLOAT32_MIN, "batch", True, 20),
+        (None, "head", False, 0),
         pytest.param(FLOAT32_MIN, "head", False, 0, marks=pytest.mark.slow),
         pytest.param(-math.inf, "batch", False, 9, marks=pytest.mark.slow),
+        pytest.param(None, "batch", True, 9, marks=pytest.mark.slow),
     ],
-    ids=["-inf", "-inf-causal", "finfo.min-causal-window", "finfo.min", "-inf-window"],
-)
-def test_mask_block_lists(
-    interpret, backward, monkeypatch, masked_value, varies, causal, window
-):  # fmt: skip
+    ids=[
+        "-inf", "-inf-causal", "finfo.min-causal-window", "bias", "finfo.min", "-inf-window",
+        "bias-causal-window",
+    ],
+)  # fmt: skip
+def test_block_lists(interpret, backward, monkeypatch, masked_value, varies, causal, window):
     """The lists the kernels walk (by query for the forward and dq, by key for dk and dv), against
-    the blocks counted in torch: per row block, the blocks where every score is allowed by the
-    mask, causal and the window (crossing no edge), then those where some are, or with a finite
-    masked value those where causal and the window allow some; a mask varying by batch gives a
-    list per batch, one varying by head a list per head."""
+    the blocks counted in torch: per row block, the blocks where every score is allowed as it is
+    by the mask (the bias is 0: `masked_value` None), causal and the window (crossing no edge),
+    then those where some are (or with a finite masked value, those where causal and the window
+    allow some), split into those where the mask (bias) is the causal triangle (shaped) and the
+    others (partial); a mask varying by batch gives a list per batch, one varying by head a list
+    per head. The bias is -inf where the mask hides, 0 where it allows, but for random values in
+    a block the mask allows whole."""
     made = []
-    real = attention_kernels._mask_blocks
+    real = block_lists.arguments
 
     def recorded(call, rows_block, cols_block, keys=False):
         made.append((rows_block, cols_block, keys, real(call, rows_block, cols_block, keys)))
         return made[-1][-1]
 
-    monkeypatch.setattr(attention_kernels, "_mask_blocks", recorded)
+    monkeypatch.setattr(block_lists, "arguments", recorded)
     g = torch.Generator().manual_seed(16)
-    b, h, lq, lk = 2, 3, 37, 21
+    b, h, lq, lk = 2, 3, 37, 40
     mask = torch.rand((b, 1, lq, lk) if varies == "batch" else (1, h, lq, lk), generator=g) > 0.4
-    mask[..., :16, :16] = True  # full blocks, by query and by key (the interpreter's 16 x 16)
+    mask[..., :16, :32] = True  # full blocks, by query and by key (the interpreter's 16 x 16)
     mask[..., 16:32, :16] = False  # empty ones
+    query, key = torch.arange(lq)[:, None], torch.arange(lk)
+    mask[..., 16:32, 16:32] = (key <= query)[16:32, 16:32]  # a shaped one, each way
+    mask[..., 32:, 32:] = (key <= query)[32:, 32:]  # (one crossing both edges)
+    allowed, unchanged = mask, mask
+    bias = None
+    if masked_value is None:  # the same as a bias, with values in a block the mask allows
+        bias = torch.zeros(mask.shape).masked_fill(~mask, -math.inf)
+        bias[..., :16, 16:32] = torch.randn(bias[..., :16, 16:32].shape, generator=g)
+        allowed, unchanged = bias != -math.inf, bias == 0
     q, k, v = (t.requires_grad_() for t in qkv(g, b, h, lq, lk, 16))
-    out, _, _ = attention(
-        q, k, v, None, mask, None, 0, 0.0, 0.25, causal, masked_value, window
+    arguments = (
+        q, k, v, bias, None if bias is not None else mask, None, 0, 0.0, 0.25, causal,
+        -math.inf if masked_value is None else masked_value, window,
     )  # fmt: skip
+    out, _, _ = attention(*arguments)
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    # what the report counts of a compile-time value: the forward's lists, as the kernel made them
+    listed = cost.listed_blocks(
+        Call(attention.default, arguments, {}), mask if bias is None else bias
+    )
+    full, partial, shaped = made[0][-1][1][:-1].view(-1, 3).sum(0).tolist()
+    assert (listed["full"], listed["partial"], listed["shaped"]) == (full, partial, shaped)
     dq_lists = [False] if backward == "two launches" else []  # dq's own kernel's, by query
     assert [keys for *_, keys, _ in made] == [False, True, *dq_lists]  # forward, dk and dv
-    query, key = torch.arange(lq)[:, None], torch.arange(lk)
     seen = ((key <= query) | (not causal)) & ((query - key < window) | (window == 0))
+    triangle = key <= query
+    grids = [
+        t.expand(b, h, lq, lk)[:, :1] if varies == "batch" else t.expand(b, h, lq, lk)[:1]
+        for t in (allowed, unchanged, seen, triangle)
+    ]
     for rows_block, cols_block, keys, (lists, counts, stride_b, stride_h) in made:
-        grid = mask.expand(b, h, lq, lk)[:, :1] if varies == "batch" else mask[:1]
-        grid = grid & seen
-        grid, seen_grid = (grid.transpose(-1, -2), seen.T) if keys else (grid, seen)
-        row_blocks, col_blocks = -(-grid.shape[-2] // rows_block), -(-grid.shape[-1] // cols_block)
+        allowed, unchanged, visible, triangle = (t.transpose(-1, -2) if keys else t for t in grids)
+        shaped_grid = (allowed == triangle) & (unchanged == triangle)
+        row_blocks, col_blocks = (
+            -(-allowed.shape[-2] // rows_block),
+            -(-allowed.shape[-1] // cols_block),
+        )
         assert (stride_b, stride_h) == ((row_blocks, 0) if varies == "batch" else (0, row_blocks))
-        lists = lists[:-1].view(*grid.shape[:2], row_blocks, col_blocks)  # (one element over)
-        counts = counts[:-1].view(*grid.shape[:2], row_blocks, 2)
-        for (i, j, r), (full, partial) in zip(
+        lists = lists[:-1].view(*allowed.shape[:2], row_blocks, 2 * col_blocks)  # (one over)
+        counts = counts[:-1].view(*allowed.shape[:2], row_blocks, 3)
+        for (i, j, r), (full, partial, shaped) in zip(
             itertools.product(*map(range, counts.shape[:3])),
-            counts.view(-1, 2).tolist(),
+            counts.view(-1, 3).tolist(),
             strict=True,
         ):
-            block_rows = slice(r * rows_block, (r + 1) * rows_block)
-            blocks = grid[i, j, block_rows].split(cols_block, -1)
-            visible = seen_grid[block_rows].split(cols_block, -1)
+            rows = slice(r * rows_block, (r + 1) * rows_block)
+            blocks = [t[i, j, rows].split(cols_block, -1) for t in (
+                unchanged & visible, allowed & visible, visible, shaped_grid
+            )]  # fmt: skip
+            kept, seen_some, seen_any, is_triangle = blocks
             inside = (rows_block, cols_block)  # (the kernels bound a block crossing an edge)
-            whole = [n for n, t in enumerate(blocks) if t.all() and t.shape[-2:] == inside]
-            some = [n for n, t in enumerate(blocks) if n not in whole]
-            read = blocks if masked_value == -math.inf else visible
-            some = [n for n in some if read[n].any()]
+            whole = [n for n, t in enumerate(kept) if t.all() and t.shape[-2:] == inside]
+            read = seen_any if masked_value == FLOAT32_MIN else seen_some
+            some = [n for n, t in enumerate(read) if n not in whole and t.any()]
             row = lists[i, j, r].tolist()
             assert row[:full] == whole
-            assert sorted(row[len(row) - partial :]) == some
+            assert row[col_blocks : col_blocks + shaped] == [
+                n for n in some if is_triangle[n].all()
+            ]
+            assert sorted(row[col_blocks - partial : col_blocks]) == [
+                n for n in some if not is_triangle[n].all()
+            ]
+
+
+@pytest.mark.parametrize("d", [16, 80], ids=["own loop", "read beside dropout"])
+@pytest.mark.parametrize("as_bias", [False, True], ids=["mask", "bias"])
+def test_a_triangle_in_a_tensor_with_dropout(impl, backward, d, as_bias):
+    """The causal triangle held in a tensor (and a padded sequence beside it), with dropout: the
+    kernels compute its diagonal blocks (shaped in the block lists) from positions, and at head
+    dims over 64 the forward reads them beside dropout instead; either way eager's answer."""
+    g = torch.Generator().manual_seed(21)
+    b, h, lq, lk = 2, 2, 37, 37
+    q, k, v = qkv(g, b, h, lq, lk, d)
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril() & (torch.arange(lk) < torch.tensor(
+        [lk, 20]).view(b, 1, 1, 1))  # fmt: skip
+    bias = torch.zeros(keep.shape).masked_fill(~keep, -math.inf) if as_bias else None
+    run_and_compare(q, k, v, bias, None if as_bias else keep, p=0.25)
 
 
 @pytest.mark.parametrize("masked_value", [-math.inf, FLOAT32_MIN], ids=["-inf", "finfo.min"])

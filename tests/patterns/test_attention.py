@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from checks import attention_flags, check_fusion, kernel_flags
 from conftest import KERNELS_IN_SLOW_TIER
 
+import seqcompile
 from seqcompile.memory.saved import saved_tensors
 from seqcompile.ops.attention.cost import key_blocks, visible_pairs
 from seqcompile.ops.attention.reference import diagonal_keep
@@ -631,7 +632,7 @@ def test_attention_sinks_fuse_with_the_sinks_gradient(impl, shift):
     bias), and its gradient matches eager's (checked by `fused`)."""
     causal = torch.full((LQ, LQ), MIN).triu(1).expand(B, 1, LQ, LQ)
     report = fused(SinkAttention(shift), [*qkv(lk=LQ), causal])
-    assert forward_kernel_key(report) == kernel_flags(sink=True, bias=True)
+    assert forward_kernel_key(report) == kernel_flags(sink=True, bias=True, blocks=True)
     (line,) = report.sites
     assert "a sink logit per query" in line, line
 
@@ -715,7 +716,7 @@ def test_a_bias_from_positions_that_is_not_per_diagonal_is_read_as_a_bias(bias):
         return softmax_v(scores(q, k) + bias(q_idx, kv_idx), v)
 
     report = fused(fn, qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == kernel_flags(bias=True)
+    assert forward_kernel_key(report) == kernel_flags(bias=True, blocks=True)
 
 
 def test_integer_differences_added_to_the_scores_are_read_per_diagonal():
@@ -754,7 +755,7 @@ def test_a_relative_table_whose_gradient_scales_by_frequency_is_read_whole():
             return softmax_v(scores(q, k) + bias, v)
 
     report = fused(Frequencies(), qkv(lq=10, lk=10))
-    assert forward_kernel_key(report) == kernel_flags(bias=True)
+    assert forward_kernel_key(report) == kernel_flags(bias=True, blocks=True)
 
 
 def test_a_bias_filled_less_than_absorbingly_is_read_whole():
@@ -769,7 +770,7 @@ def test_a_bias_filled_less_than_absorbingly_is_read_whole():
     padding_bias = torch.zeros(B, 1, 1, 6)
     padding_bias[0, ..., :2] = -1e4
     report = fused(fn, [*qkv(lq=6, lk=6), padding_bias])
-    assert forward_kernel_key(report) == kernel_flags(bias=True)
+    assert forward_kernel_key(report) == kernel_flags(bias=True, blocks=True)
 
 
 def test_a_bias_of_zeros_and_a_comparison_that_keeps_every_query_are_dropped():
@@ -993,7 +994,8 @@ def test_the_report_says_what_each_site_computes_and_how_many_blocks_it_visits()
     (line,) = report.sites
     assert line.endswith(
         "causal, sliding window 5, reads a mask (2, 1, 1, 40) by block lists made on each call"
-        " (the kernels skip the blocks it hides whole and read it where it hides some);"
+        " (the kernels skip the blocks it hides whole, compute the lower triangle where it"
+        " holds one and read it where it hides some);"
         " the forward visits 5 of 9 16x16 blocks per head, less those the mask hides whole"
     ), line
 
@@ -1009,10 +1011,11 @@ def test_the_report_says_a_mask_tensor_is_read_by_its_block_lists(fill):
 
     report = fused(fn, [*qkv(lq=40, lk=40), padding(lk=40)])
     (line,) = report.sites
-    skipped = "skip the blocks it hides whole and " if fill == -math.inf else ""
+    skipped = "skip the blocks it hides whole, " if fill == -math.inf else ""
     assert (
-        "reads a mask (2, 1, 1, 40) by block lists made on each call (the kernels"
-        f" {skipped}read it where it hides some); the forward visits 9 of 9 16x16 blocks per head"
+        f"reads a mask (2, 1, 1, 40) by block lists made on each call (the kernels {skipped}"
+        "compute the lower triangle where it holds one and read it where it hides some); the"
+        " forward visits 9 of 9 16x16 blocks per head"
     ) in line, line
     assert line.endswith(", less those the mask hides whole") == (fill == -math.inf), line
 
@@ -1188,6 +1191,51 @@ class BufferMasked(torch.nn.Module):
         return softmax_v(scores(q, k).masked_fill(~self.keep[:n, :n], -math.inf), v)
 
 
+class BufferBiased(torch.nn.Module):
+    """Attention whose mask is a module buffer of 0 and -inf added to the scores."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.register_buffer("hidden", torch.zeros(keep.shape).masked_fill(~keep, -math.inf))
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        return softmax_v(scores(q, k) + self.hidden[:n, :n], v)
+
+
+@pytest.mark.parametrize("kind", ["mask", "bias", "window", "input"])
+def test_the_report_counts_the_blocks_of_a_buffer_at_compile_time(kind):
+    """A mask or additive bias computed from the model's buffers alone is counted at its
+    compile-time value, as the forward's block lists will hold it: nanoGPT's triangle at 40
+    tokens (3 x 3 blocks of the CPU's 16 x 16 tiles) is 1 block visited whole and 5 computing the
+    triangle (the diagonal's, and those below it crossing the last row), none reading it; a window
+    is read where it hides some; a mask given as an input is not counted."""
+    length = 40
+    q_idx, kv_idx = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    triangle = kv_idx <= q_idx
+    inputs = qkv(lq=length, lk=length)
+    if kind == "input":
+        masked = lambda q, k, v, keep: softmax_v(scores(q, k).masked_fill(~keep, -math.inf), v)  # noqa: E731
+        (line,) = fused(masked, [*inputs, triangle]).sites
+        assert "at compile time" not in line, line
+        return
+    model = {
+        "mask": BufferMasked(length),
+        "bias": BufferBiased(triangle),
+        "window": BufferBiased(triangle & (q_idx - kv_idx < 5)),
+    }[kind]
+    (line,) = seqcompile.explain(model, *inputs).sites
+    counted = {
+        "mask": " it is the causal triangle, and the forward visits 6 blocks per head: 1 whole,"
+        " 5 computing the triangle, 0 reading it",
+        "bias": " it is the causal triangle, and the forward visits 6 blocks per head: 1 whole,"
+        " 5 computing the triangle, 0 reading it",
+        "window": " the forward visits 5 blocks per head: 0 whole, 0 computing the"
+        " triangle, 5 reading it",
+    }
+    assert line.endswith(counted[kind]), line
+
+
 @pytest.mark.slow  # three compiled steps under the interpreter
 @pytest.mark.kernels(
     "attention_blocks", "attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv:with_dq"
@@ -1314,7 +1362,7 @@ def test_a_triangle_of_a_fill_that_does_not_mask_is_read_as_a_bias(fill):
     report = fused(
         lambda q, k, v: softmax_v(scores(q, k) + torch.full((6, 6), fill).triu(1), v), qkv(6, 6)
     )
-    assert forward_kernel_key(report) == kernel_flags(bias=True)
+    assert forward_kernel_key(report) == kernel_flags(bias=True, blocks=True)
 
 
 def test_a_mask_compared_with_zero_is_split_into_its_factors():

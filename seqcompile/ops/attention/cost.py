@@ -9,8 +9,8 @@ import math
 import torch
 
 from seqcompile.fx_utils import concrete
-from seqcompile.ops.attention import configs, score_mods
-from seqcompile.ops.attention.kernels import ONE_LAUNCH, backward_variants, reads_mask_blocks
+from seqcompile.ops.attention import block_lists, configs, score_mods
+from seqcompile.ops.attention.kernels import ONE_LAUNCH, backward_variants
 from seqcompile.ops.fused_op import Call
 
 Tensor = torch.Tensor
@@ -67,9 +67,9 @@ def describe(call: Call) -> str | None:
     if call["score_mod"]:
         kinds.append(f"scores modified as {score_mods.lookup(call['score_mod']).description}")
     if call["mask"] is not None:
-        kinds.append(f"reads a mask {_shape(call.value('mask'))}{_mask_lists(call)}")
+        kinds.append(f"reads a mask {_shape(call.value('mask'))}{_lists(call, 'mask')}")
     if call["bias"] is not None:
-        kinds.append(f"reads a bias {_shape(call.value('bias'))}")
+        kinds.append(f"reads a bias {_shape(call.value('bias'))}{_lists(call, 'bias')}")
     if call["rel_bias"] is not None:
         kinds.append(f"reads a bias by key - query position {_shape(call.value('rel_bias'))}")
     if call["sink"] is not None:
@@ -81,26 +81,103 @@ def describe(call: Call) -> str | None:
         )
     if not kinds:
         return None
-    head_dim, device = concrete(q.shape[-1]), q.device.type
-    dropout = call["p"] > 0
-    tiles = dict(configs.space("attention_fwd", head_dim, q.dtype, device, dropout)[0].blocks)
+    tiles = forward_tiles(call)
     lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
     visited, total = key_blocks(lq, lk, call["causal"], call["window"], **tiles)
     tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
     blocks = f"the forward visits {visited} of {total} {tile} blocks per head"
     if call["prefix"] is not None:
         blocks += " besides the prefix's (as many as its lengths reach past the diagonal)"
-    if reads_mask_blocks(call) and call["masked_value"] == -math.inf:
-        blocks += ", less those the mask hides whole"
-    return f"{', '.join(kinds)}; {blocks}"
+    if block_lists.skip_empty(call):
+        blocks += f", less those the {'bias' if block_lists.of_bias(call) else 'mask'} hides whole"
+    return f"{', '.join(kinds)}; {blocks}{_at_compile(call)}"
 
 
-def _mask_lists(call: Call) -> str:
-    """How the kernels read a mask by its block lists, where they do."""
-    if not reads_mask_blocks(call):
+def forward_tiles(call: Call) -> dict[str, int]:
+    """The forward kernel's default tiles for the call on this device."""
+    q = call.value("q")
+    space = configs.space(
+        "attention_fwd", concrete(q.shape[-1]), q.dtype, q.device.type, call["p"] > 0
+    )
+    return dict(space[0].blocks)
+
+
+LISTED = "seqfast_block_lists"
+"""The key, in a call node's `meta["custom"]` (which AOTAutograd carries to the graphs it makes),
+of what the forward's block lists hold at compile time (`listed_blocks`), where the tensor they
+list is computed from the model's parameters and buffers alone."""
+
+
+def listed_blocks(call: Call, value: Tensor) -> dict[str, int | bool]:
+    """What the forward's block lists of `value` (the call's mask, or the bias it lists; concrete,
+    on the CPU) hold at the default tiles, as `attention_blocks` makes them: over the planes of
+    its own batch and head dimensions, the blocks visited whole (`full`), on the causal triangle
+    (`shaped`) and read (`partial`), and whether it is the causal triangle itself."""
+    q, k = call.value("q"), call.value("k")
+    lq, lk = concrete(q.shape[-2]), concrete(k.shape[-2])
+    tiles = forward_tiles(call)
+    rows, cols = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    leading = value.shape[:-2]
+    planes = value.expand(*leading, lq, lk).reshape(math.prod(leading), lq, lk)
+    if block_lists.of_bias(call):
+        allowed, unchanged = planes != -math.inf, planes == 0
+    else:
+        allowed = unchanged = planes.bool()
+    i, j = torch.arange(lq)[:, None], torch.arange(lk)
+    triangle = j <= i
+    seen = torch.ones(lq, lk, dtype=torch.bool)
+    if call["causal"]:
+        seen = seen & triangle
+    if call["window"]:
+        seen = seen & (i - j < call["window"])
+    shape = (len(planes), -(-lq // rows), rows, -(-lk // cols), cols)
+
+    def blocks(t: Tensor, fill: bool) -> Tensor:  # (plane, row block, rows, column block, cols)
+        t = t.expand(len(planes), lq, lk)
+        return torch.nn.functional.pad(t, (0, -lk % cols, 0, -lq % rows), value=fill).view(shape)
+
+    outside = blocks(torch.zeros(lq, lk, dtype=torch.bool), True)
+    whole = ~outside.any(4).any(2)
+    full = whole & blocks(seen & unchanged, True).all(4).all(2)
+    read = seen & allowed if block_lists.skip_empty(call) else seen
+    visited = blocks(read, False).any(4).any(2) & ~full
+    on_triangle = (allowed == triangle) & (unchanged == triangle)
+    shaped = visited & (blocks(on_triangle, True) | outside).all(4).all(2)
+    return {
+        "full": int(full.sum()),
+        "shaped": int(shaped.sum()),
+        "partial": int((visited & ~shaped).sum()),
+        "planes": len(planes),
+        "triangle": bool(on_triangle.all()),
+    }
+
+
+def _at_compile(call: Call) -> str:
+    """What the forward's block lists hold at compile time, where it is known (`LISTED`)."""
+    node = call.node
+    listed = node.meta.get("custom", {}).get(LISTED) if node is not None else None
+    if listed is None:
         return ""
-    skipped = "skip the blocks it hides whole and " if call["masked_value"] == -math.inf else ""
-    return f" by block lists made on each call (the kernels {skipped}read it where it hides some)"
+    holds = " it is the causal triangle, and" if listed["triangle"] else ""
+    where = "per head" if listed["planes"] == 1 else f"over its {listed['planes']} planes"
+    visited = listed["full"] + listed["shaped"] + listed["partial"]
+    return (
+        f"; at compile time (its value computed from the model's parameters and buffers){holds}"
+        f" the forward visits {visited} blocks {where}: {listed['full']} whole,"
+        f" {listed['shaped']} computing the triangle, {listed['partial']} reading it"
+    )
+
+
+def _lists(call: Call, name: str) -> str:
+    """How the kernels read the mask or the bias (`name`) by its block lists, where they do."""
+    if not block_lists.walked(call) or (name == "bias") != block_lists.of_bias(call):
+        return ""
+    hides, some = ("where it is -inf", "is not 0") if name == "bias" else ("it hides", "hides some")
+    skipped = f"skip the blocks {hides} whole, " if block_lists.skip_empty(call) else ""
+    return (
+        f" by block lists made on each call (the kernels {skipped}compute the lower triangle"
+        f" where it holds one and read it where it {some})"
+    )
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:

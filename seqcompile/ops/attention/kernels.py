@@ -11,7 +11,9 @@ import torch
 import triton
 
 from seqcompile.codegen import KernelSpec, copies, kernel_function
-from seqcompile.ops.attention import configs, reference, score_mods
+from seqcompile.ops.attention import block_lists, configs, reference, score_mods
+from seqcompile.ops.attention.block_lists import BLOCKS
+from seqcompile.ops.attention.layout import scores_shape4, strides4
 from seqcompile.ops.fused_op import Call
 from seqcompile.run import runtime, tuning
 from seqcompile.run.tuning import Config
@@ -58,7 +60,6 @@ def backward_variants(q: Tensor) -> list[Config]:
 
 
 DELTA = KernelSpec.of("attention_bwd_delta")
-BLOCKS = KernelSpec.of("attention_blocks")
 
 
 def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
@@ -66,7 +67,7 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
     return dict(
         bias=call["bias"] is not None,
         mask=call["mask"] is not None,
-        blocks=reads_mask_blocks(call),
+        blocks=block_lists.walked(call),
         dropout=call["p"] > 0,
         causal=call["causal"],
         window=call["window"] > 0,
@@ -77,23 +78,16 @@ def _flags(call: Mapping[str, Any]) -> dict[str, bool]:
     )
 
 
-def reads_mask_blocks(call: Mapping[str, Any]) -> bool:
-    """Whether the kernels walk the mask's block lists (`_mask_blocks`): a boolean mask hides
-    scores, alone or with causal masking and a sliding window (which the lists take in), so the
-    lists say every block a program visits. Packed documents and a prefix keep their own loops."""
-    return call["mask"] is not None and call["doc_q"] is None and call["prefix"] is None
-
-
 def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
-    """The kernels an `attention` call launches (`call`: its arguments by name): the mask's block
-    lists where it reads them, and the forward."""
+    """The kernels an `attention` call launches (`call`: its arguments by name): the block
+    lists where the kernels walk them, and the forward."""
     flags = _flags(call)
     return [BLOCKS] * flags["blocks"] + [forward_spec(sink=call["sink"] is not None, **flags)]
 
 
 def backward_kernels_of(call: Call) -> list[KernelSpec]:
     """The kernels an `attention_backward` call launches by default (`backward_variants`): the row
-    deltas, the mask's block lists where it reads them (for dk and dv, then for dq), dk and dv,
+    deltas, the block lists where the kernels walk them (for dk and dv, then for dq), dk and dv,
     and dq with them or after them."""
     flags = _flags(call)
     one_launch = backward_variants(call.value("q"))[0] == ONE_LAUNCH
@@ -101,42 +95,6 @@ def backward_kernels_of(call: Call) -> list[KernelSpec]:
         bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], one_launch=one_launch, **flags
     )
     return specs[:1] + [BLOCKS] * flags["blocks"] * (len(specs) - 1) + specs[1:]
-
-
-def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
-    return (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-
-
-def _strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of `t` broadcast to the 4-D `shape` (zero along broadcast dimensions)."""
-    return tuple(t.expand(shape).stride()) if t is not None else ()
-
-
-def _mask_blocks(call: Mapping[str, Any], rows_block: int, cols_block: int, keys=False) -> list:
-    """The mask's block lists for a kernel whose programs take `rows_block` queries (keys, with
-    `keys`) and walk blocks of `cols_block` keys (queries), as its arguments: the lists and their
-    counts (flat, a row block's list as long as there are column blocks), their strides along
-    batch and heads in row blocks (0 where the mask broadcasts); none where the kernels do not
-    read them."""
-    if not reads_mask_blocks(call):
-        return []
-    q, k, mask = call["q"], call["k"], call["mask"]
-    shape = _scores_shape(q, k)
-    stride_b, stride_h, stride_m, stride_n = _strides4(mask, shape)
-    lists_b, lists_h = (shape[0] if stride_b else 1), (shape[1] if stride_h else 1)
-    rows, cols = (shape[3], shape[2]) if keys else (shape[2], shape[3])
-    stride_r, stride_c = (stride_n, stride_m) if keys else (stride_m, stride_n)
-    row_blocks, col_blocks = triton.cdiv(rows, rows_block), triton.cdiv(cols, cols_block)
-    # flat (batch, head, row block, column block) and one element over: at symbolic sizes a
-    # dimension that may be 1 makes a trace decide on it (torch's contiguity test asks)
-    lists = runtime.empty((lists_b * lists_h * row_blocks * col_blocks + 1,), torch.int32, q.device)
-    counts = runtime.empty((lists_b * lists_h * row_blocks * 2 + 1,), torch.int32, q.device)
-    kernel_function(BLOCKS)[(lists_b * lists_h * row_blocks,)](
-        mask, lists, counts, stride_b, stride_h, stride_r, stride_c, lists_h, rows, cols,
-        call["window"], SKIP_EMPTY=call["masked_value"] == -math.inf, CAUSAL=call["causal"],
-        KEYS=keys, BLOCK_R=rows_block, BLOCK_C=cols_block,
-    )  # fmt: skip
-    return [lists, counts, lists_h * row_blocks if lists_b > 1 else 0, row_blocks * (lists_h > 1)]
 
 
 def _sizes(q: Tensor, k: Tensor) -> tuple:
@@ -172,18 +130,18 @@ def _common_args(
 ) -> tuple[list, list]:
     """Pointer arguments after q, k, v and the scalar arguments shared by the three kernels (of
     the launcher's arguments, by the schema's names)."""
-    shape = _scores_shape(q, k)
+    shape = scores_shape4(q, k)
     pointers = [t for t in (bias, mask, doc_q, doc_kv, rel_bias, prefix) if t is not None]
-    strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(bias, shape)]
-    strides += [*_strides4(mask, shape)] + ([masked_value] if mask is not None else [])
+    strides = [*q.stride(), *k.stride(), *v.stride(), *strides4(bias, shape)]
+    strides += [*strides4(mask, shape)] + ([masked_value] if mask is not None else [])
     if doc_q is not None:  # (b, h, m) of the query ids, (b, h, n) of the key ids
-        q_ids, kv_ids = (_strides4(t, shape) for t in (doc_q, doc_kv))
+        q_ids, kv_ids = (strides4(t, shape) for t in (doc_q, doc_kv))
         strides += [*q_ids[:3], *kv_ids[:2], kv_ids[3]]
     if rel_bias is not None:  # (b, h, diagonal)
-        rel = _strides4(rel_bias, (*shape[:2], 1, rel_bias.shape[-1]))
+        rel = strides4(rel_bias, (*shape[:2], 1, rel_bias.shape[-1]))
         strides += [*rel[:2], rel[3]]
     if prefix is not None:  # (b, h)
-        strides += [*_strides4(prefix, (*shape[:2], 1, 1))[:2]]
+        strides += [*strides4(prefix, (*shape[:2], 1, 1))[:2]]
     scalars = strides + [q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], scale]
     return pointers, scalars + ([window] if window > 0 else [])
 
@@ -205,11 +163,12 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, seed, stream, p, **others: Any):
     pointers, scalars = _common_args(**arguments)
     sink = arguments.get("sink")
     sinks = [] if sink is None else [sink]  # (b, h, m) strides of each query's logit
-    sink_strides = _strides4(sink, (b, h, lq, 1))[:3]
+    sink_strides = strides4(sink, (b, h, lq, 1))[:3]
     _launch(
         spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
         lambda c, grid: kernel_function(spec)[grid](
-            q, k, v, *pointers, *sinks, *_mask_blocks(arguments, c["BLOCK_M"], c["BLOCK_N"]),
+            q, k, v, *pointers, *sinks,
+            *block_lists.arguments(arguments, c["BLOCK_M"], c["BLOCK_N"]),
             *([seed] if p > 0 else []), out, row_max, log_sum,
             *scalars, *((p, stream) if p > 0 else ()), *sink_strides,
             HEAD_DIM=d, DOT_PRECISION=_dot_precision(q, v), **c.launch_options(),
@@ -264,9 +223,9 @@ def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
     dbias_full = None
     if bias_grad:
         skips = causal or window > 0 or doc_q is not None  # (a prefix is causal's)
-        skips = skips or (reads_mask_blocks(call) and call["masked_value"] == -math.inf)
+        skips = skips or block_lists.skip_empty(call)
         make = torch.zeros if skips else runtime.empty  # skipped blocks stay 0
-        dbias_full = make(_scores_shape(q, k), dtype=torch.float32, device=q.device)
+        dbias_full = make(scores_shape4(q, k), dtype=torch.float32, device=q.device)
     drel_full = None  # (with lq = lk = 0 there are no diagonals, and no relative bias)
     if rel_grad:
         diagonals = q.shape[2] + k.shape[2] - 1
@@ -330,7 +289,8 @@ class _BackwardLaunches:
             if dq_outputs:
                 dq_outputs[0].zero_()
             kernel_function(spec)[grid](
-                q, k, v, *self.pointers, *_mask_blocks(call, c["BLOCK_N"], c["BLOCK_M"], keys=True),
+                q, k, v, *self.pointers,
+                *block_lists.arguments(call, c["BLOCK_N"], c["BLOCK_M"], keys=True),
                 *self.seed, *self.rows, self.dk, self.dv, *dq_outputs, *self.scalars,
                 *self.dropout, **self.constants, **c.launch_options(),
             )  # fmt: skip
@@ -361,7 +321,7 @@ class _BackwardLaunches:
         _launch(
             dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
             lambda c, grid: kernel_function(dq_spec)[grid](
-                q, k, v, *self.pointers, *_mask_blocks(call, c["BLOCK_M"], c["BLOCK_N"]),
+                q, k, v, *self.pointers, *block_lists.arguments(call, c["BLOCK_M"], c["BLOCK_N"]),
                 *self.seed, *self.rows, self.dq, *self.bias_grads, *self.scalars, *self.dropout,
                 **self.constants, **c.launch_options(),
             ),

@@ -92,3 +92,14 @@ class Layout:
         """A 4-D gradient summed back to the shape of the operand `like`."""
         grad = grad.reshape(*self.outer, *grad.shape[1:])
         return grad.sum_to_size(_padded(like, self.dims).shape).reshape(like.shape)
+
+
+def scores_shape4(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
+    """The scores' shape for 4-D q and k: (batch, heads, queries, keys)."""
+    return (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def strides4(t: Tensor | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of `t` broadcast to the 4-D `shape` (zero along broadcast dimensions); none for
+    no tensor."""
+    return tuple(t.expand(shape).stride()) if t is not None else ()

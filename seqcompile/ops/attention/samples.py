@@ -159,9 +159,11 @@ BLOCKED = dict(b=2, h=2, lq=33, lk=35, d=16)
 
 
 def _block_masks(g) -> Iterator[Sample]:
-    """Masks with blocks the kernels skip, read whole or read in part: the causal triangle kept
-    in a buffer (with -inf, and with the float32 minimum, where no block is skipped), and
-    padding masks by sequence length, one sequence padded wholly."""
+    """Masks and biases with blocks the kernels skip, read whole or read in part: the causal
+    triangle kept in a buffer (with -inf, and with the float32 minimum, where no block is
+    skipped; as a bias of -inf and 0, also with a window), padding masks and biases by sequence
+    length, one sequence padded wholly, and a bias per head with a block of 0, a block of -inf
+    and random values."""
     b, h, lq, lk, d = BLOCKED.values()
     triangle = torch.ones(lq, lk, dtype=torch.bool).tril()
     yield _sample("triangle-mask", _call(g, **BLOCKED, mask=triangle))
@@ -175,3 +177,17 @@ def _block_masks(g) -> Iterator[Sample]:
     per_head[:, 0, :16] = True  # one head's first row block sees every key
     per_head[:, 1, :, 16:32] = False  # the other's middle key block is hidden
     yield _sample("head-mask-blocks", _call(g, **BLOCKED, mask=per_head))
+    hidden = torch.zeros(lq, lk).masked_fill(~triangle, -math.inf)
+    yield _sample("triangle-bias", _call(g, **BLOCKED, bias=hidden))
+    yield _sample("triangle-bias-window", _call(g, **BLOCKED, bias=hidden, window=20))
+    yield _sample(  # (the masked value, which only a mask takes, has no part)
+        "triangle-bias-finfo-min", _call(g, **BLOCKED, bias=hidden, masked_value=FLOAT32_MIN)
+    )
+    yield _sample(
+        "padding-bias",
+        _call(g, **BLOCKED, bias=torch.zeros(b, 1, 1, lk).masked_fill(~padding, -math.inf)),
+    )
+    per_head = randn(g, 1, h, lq, lk)
+    per_head[:, 0, :16, :16] = 0.0  # a block the kernels do not read
+    per_head[:, 1, :, 16:32] = -math.inf  # a key block they skip
+    yield _sample("head-bias-blocks", _call(g, **BLOCKED, bias=per_head))

@@ -3,18 +3,23 @@ the softmax's batch dimensions, the biases and masks combined, and `seqfast::att
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import erase_unused, insert_getitem, is_call, tensor_val
+from seqcompile.fx_evaluate import MAX_ELEMENTS, Evaluator, traced_sizes
+from seqcompile.fx_utils import concrete, erase_unused, insert_getitem, is_call, tensor_val
 from seqcompile.ops import attention as attention_op
+from seqcompile.ops.attention import block_lists, cost
+from seqcompile.ops.fused_op import Call
 from seqcompile.patterns.attention.readings import Site
 from seqcompile.patterns.attention.relative_bias import per_diagonal
 from seqcompile.patterns.engine import FuseContext, Rewrite
 
 aten = torch.ops.aten
+log = logging.getLogger("seqcompile")
 
 
 def rewrite(site: Site) -> Rewrite:
@@ -24,6 +29,7 @@ def rewrite(site: Site) -> Rewrite:
             fused = ctx.call_fused(
                 attention_op.ENTRY.forward, **_arguments(ctx, site, out_val.device)
             )
+            _note_listed_blocks(ctx, fused)
             out = insert_getitem(ctx.gm.graph, fused, 0)
             if site.batch_of is not None:  # back to the values' batch dimensions (checked equal)
                 sizes = ctx.sizes(site.v, _batch_dims(site.v)) + ctx.sizes(out, (-2, -1))
@@ -36,6 +42,27 @@ def rewrite(site: Site) -> Rewrite:
         return fused
 
     return apply
+
+
+def _note_listed_blocks(ctx: FuseContext, fused: Node) -> None:
+    """Where the tensor the kernels' block lists classify is computed from the model's parameters
+    and buffers alone (nanoGPT's triangle in a buffer), what the forward's lists hold at its
+    compile-time value, for the report (`cost.LISTED`); the lists are still made on each call."""
+    call = Call.of(fused)
+    if not ctx.static_values or not block_lists.walked(call):
+        return
+    listed = call["bias"] if block_lists.of_bias(call) else call["mask"]
+    if concrete(tensor_val(listed).numel()) > MAX_ELEMENTS:
+        return
+    value = Evaluator(given=ctx.static_values).value(listed, traced_sizes([listed]))
+    if not isinstance(value, torch.Tensor):
+        return
+    try:
+        counted = cost.listed_blocks(call, value)
+    except (RuntimeError, ValueError) as error:  # (a note of the report: never a failed fusion)
+        log.debug("seqfast: the block lists of %s are not counted: %s", fused.name, error)
+        return
+    fused.meta["custom"] = {**fused.meta.get("custom", {}), cost.LISTED: counted}
 
 
 def _arguments(ctx: FuseContext, site: Site, device: torch.device) -> dict[str, object]:
