@@ -90,15 +90,17 @@ def attention_cases(dims, defaults_only) -> Iterator[Case]:
         "mask by block lists, dropout": {"mask": True, "blocks": True, "dropout": True},
         "bias": {"bias": True},
         "bias by block lists": {"bias": True, "blocks": True},
+        "bias by block lists, its gradient": {"bias": True, "blocks": True, "bias_grad": True},
     }
     for variant, on in variants.items():
         names = ("bias", "mask", "blocks", "dropout", "causal", "window", "documents", "relative")
         names += ("prefix",)
         flags = {name: on.get(name, False) for name in names} | {"score_mod": ()}
-        specs = [attention.forward_spec(**flags)]
+        grad = on.get("bias_grad", False)
+        specs = [] if grad else [attention.forward_spec(**flags)]  # (the forward takes no grad)
         for one_launch in (False, True):
             specs += attention.backward_specs(
-                bias_grad=False, rel_grad=False, one_launch=one_launch, **flags
+                bias_grad=grad, rel_grad=False, one_launch=one_launch, **flags
             )[1:]
         for spec in specs:
             # (a bias in float32 is left out: dk and dv's kernel spills 20 bytes at head dim 64)

@@ -151,6 +151,7 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, seed, stream, p, **others: Any):
     kernel's flags and its scalar arguments read)."""
     k = _as_dtype(k, q.dtype)  # q @ k^T runs in q's dtype, probs @ v in v's (eager's result)
     arguments = dict(others, q=q, k=k, v=v, seed=seed, stream=stream, p=p)
+    _check_plane(arguments)
     b, h, lq, d = q.shape
     out = runtime.empty((b, h, lq, d), v.dtype, q.device)
     row_max = runtime.empty((b, h, lq), torch.float32, q.device)
@@ -177,10 +178,22 @@ def forward(*, q: Tensor, k: Tensor, v: Tensor, seed, stream, p, **others: Any):
     return out, row_max, log_sum
 
 
+def _check_plane(call: Mapping[str, Any]) -> None:
+    """The kernels index the scores of one (batch, head) of a mask, a bias and its gradient in 32
+    bits: an error a caller can act on where a plane has 2**31 scores or more."""
+    lq, lk = call["q"].shape[2], call["k"].shape[2]
+    if (call["bias"] is not None or call["mask"] is not None) and lq * lk >= 2**31:
+        raise ValueError(
+            f"seqfast::attention: {lq} x {lk} scores per head with a mask or bias; the kernels "
+            "take fewer than 2**31 per head (a mask or bias that large is 2**31 elements itself)"
+        )
+
+
 def backward(**arguments: Any):
     """The backward's kernels launched on the op's arguments by name."""
     q, k, v, bias, rel_bias = (arguments[name] for name in ("q", "k", "v", "bias", "rel_bias"))
     bias_grad, rel_grad = arguments["bias_grad"], arguments["rel_grad"]
+    _check_plane(arguments)
     arguments.update(  # as the kernels read them: k in q's dtype, grad_out in v's, grad_out
         k=_as_dtype(k, q.dtype),  # and out contiguous
         grad_out=copies.for_kernel(
