@@ -23,7 +23,7 @@ attention = torch.ops.seqfast.attention
 FLOAT32_MIN = torch.finfo(torch.float32).min
 
 ONE_LAUNCH = ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv:with_dq")
-TWO_LAUNCHES = ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq")
+TWO_LAUNCHES = ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")  # (dq makes the deltas)
 
 # With finfo.min masked scores the kernels' `(s - row_max) * log2(e)` overflows to -inf in float32,
 # whose exp2 is the 0 it stands for; the interpreter (numpy) warns about it.
@@ -527,7 +527,7 @@ def test_block_lists(interpret, backward, monkeypatch, masked_value, varies, cau
     full, partial, shaped = made[0][-1][1][:-1].view(-1, 3).sum(0).tolist()
     assert (listed["full"], listed["partial"], listed["shaped"]) == (full, partial, shaped)
     dq_lists = [False] if backward == "two launches" else []  # dq's own kernel's, by query
-    assert [keys for *_, keys, _ in made] == [False, True, *dq_lists]  # forward, dk and dv
+    assert [keys for *_, keys, _ in made] == [False, *dq_lists, True]  # forward, (dq), dk and dv
     seen = ((key <= query) | (not causal)) & ((query - key < window) | (window == 0))
     triangle = key <= query
     grids = [

@@ -30,15 +30,15 @@ def forward_spec(*, sink: bool = False, **flags: bool) -> KernelSpec:
 def backward_specs(
     *, bias_grad: bool, rel_grad: bool = False, one_launch: bool = False, **flags: bool
 ) -> list[KernelSpec]:
-    """The backward's kernels for the flags `_flags` gives: the row deltas, then dk, dv and dq in
-    one launch (`one_launch`), or dk and dv, then dq."""
+    """The backward's kernels for the flags `_flags` gives, in launch order: the row deltas, then
+    dk, dv and dq in one launch (`one_launch`); or dq, making the row deltas in its prologue,
+    then dk and dv."""
     grads = dict(bias_grad=bias_grad, rel_grad=rel_grad)
     if one_launch:
         return [DELTA, KernelSpec.of("attention_bwd_dkdv", mode="with_dq", **grads, **flags)]
     return [
-        DELTA,
-        KernelSpec.of("attention_bwd_dkdv", **flags),
         KernelSpec.of("attention_bwd_dq", **grads, **flags),
+        KernelSpec.of("attention_bwd_dkdv", **flags),
     ]
 
 
@@ -86,15 +86,16 @@ def forward_kernels_of(call: Mapping[str, Any]) -> list[KernelSpec]:
 
 
 def backward_kernels_of(call: Call) -> list[KernelSpec]:
-    """The kernels an `attention_backward` call launches by default (`backward_variants`): the row
-    deltas, the block lists where the kernels walk them (for dk and dv, then for dq), dk and dv,
-    and dq with them or after them."""
+    """The kernels an `attention_backward` call launches by default (`backward_variants`), in
+    order (`backward_specs`), each but the row deltas' after its block lists where the kernels
+    walk them."""
     flags = _flags(call)
     one_launch = backward_variants(call.value("q"))[0] == ONE_LAUNCH
     specs = backward_specs(
         bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], one_launch=one_launch, **flags
     )
-    return specs[:1] + [BLOCKS] * flags["blocks"] * (len(specs) - 1) + specs[1:]
+    lists = [BLOCKS] if flags["blocks"] else []
+    return [kernel for spec in specs for kernel in ([] if spec == DELTA else lists) + [spec]]
 
 
 def _sizes(q: Tensor, k: Tensor) -> tuple:
@@ -249,17 +250,11 @@ def _bias_grads(**call: Any) -> tuple[Tensor | None, Tensor | None]:
 def _launch_backward(
     call: Mapping[str, Any], dq: Tensor, dk: Tensor, dv: Tensor, *bias_grads: Tensor | None
 ) -> Tensor:
-    """The row deltas, then dk, dv, dq and the float32 bias gradients in the way the device
-    measures fastest (`backward_variants`), for the launcher's arguments `call` by the schema's
-    names; returns the deltas (grad_out . out per row)."""
-    q, k, grad_out = call["q"], call["k"], call["grad_out"]
-    b, h, lq, d = q.shape
-    delta = runtime.empty((b, h, lq), torch.float32, q.device)
-    block_r = 64 if q.device.type == "cuda" else 16
-    kernel_function(DELTA)[(triton.cdiv(b * h * lq, block_r),)](
-        grad_out, call["out"], delta, b * h * lq,
-        HEAD_DIM=d, BLOCK_D=configs.block_d(d), BLOCK_R=block_r,
-    )  # fmt: skip
+    """The row deltas, dk, dv, dq and the float32 bias gradients in the way the device measures
+    fastest (`backward_variants`), for the launcher's arguments `call` by the schema's names;
+    returns the deltas (grad_out . out per row)."""
+    q, k = call["q"], call["k"]
+    delta = runtime.empty(q.shape[:3], torch.float32, q.device)
     launches = _BackwardLaunches(call, delta, dq, dk, dv, [t for t in bias_grads if t is not None])
     flags = _flags(call)
     tuning.launch(
@@ -272,8 +267,8 @@ def _launch_backward(
 
 
 class _BackwardLaunches:
-    """The two ways of launching the backward's kernels after the row deltas, into dq, dk, dv and
-    the bias gradients."""
+    """The two ways of launching the backward's kernels, into the row deltas, dq, dk, dv and the
+    bias gradients."""
 
     def __init__(self, call: Mapping[str, Any], delta: Tensor, dq, dk, dv, bias_grads) -> None:
         self.call, self.dq, self.dk, self.dv, self.bias_grads = call, dq, dk, dv, bias_grads
@@ -281,6 +276,7 @@ class _BackwardLaunches:
         self.pointers, self.scalars = _common_args(**call)
         self.seed = [call["seed"]] if p > 0 else []
         self.dropout = (p, call["stream"]) if p > 0 else ()
+        self.delta = delta
         self.rows = (call["grad_out"], call["row_max"], call["log_sum"], delta)
         self.constants = dict(HEAD_DIM=q.shape[3], DOT_PRECISION=_dot_precision(q, v))
         self.repeatable = not call["rel_grad"]  # the relative bias's gradient is added atomically
@@ -290,7 +286,7 @@ class _BackwardLaunches:
         return backward_specs(
             bias_grad=call["bias_grad"], rel_grad=call["rel_grad"], one_launch=one_launch,
             **_flags(call),
-        )[1:]  # fmt: skip
+        )  # fmt: skip
 
     def _dkdv(self, spec: KernelSpec, *dq_outputs: Tensor) -> None:
         """The dk/dv kernel of `spec`, its outputs followed by `dq_outputs` (the first, dq in
@@ -314,9 +310,15 @@ class _BackwardLaunches:
         _launch(spec, q, k, grid_of, launch, repeatable=self.repeatable or not dq_outputs)
 
     def one(self) -> None:
-        """dk, dv and dq in one launch: dq added in float32 (into dq itself when it is float32),
-        then rounded to its dtype."""
-        (spec,) = self._specs(True)
+        """The row deltas, then dk, dv and dq in one launch: dq added in float32 (into dq itself
+        when it is float32), then rounded to its dtype."""
+        delta_spec, spec = self._specs(True)
+        grad_out, out = self.call["grad_out"], self.call["out"]
+        rows, d = self.delta.numel(), grad_out.shape[3]
+        block_r = 64 if grad_out.device.type == "cuda" else 16
+        kernel_function(delta_spec)[(triton.cdiv(rows, block_r),)](
+            grad_out, out, self.delta, rows, HEAD_DIM=d, BLOCK_D=configs.block_d(d), BLOCK_R=block_r
+        )
         dq = self.dq
         total = (
             dq if dq.dtype == torch.float32 else runtime.empty(dq.shape, torch.float32, dq.device)
@@ -326,17 +328,19 @@ class _BackwardLaunches:
             dq.copy_(total)
 
     def two(self) -> None:
-        """dk and dv, then dq and the bias gradients."""
-        dkdv_spec, dq_spec = self._specs(False)
-        self._dkdv(dkdv_spec)
+        """dq, the row deltas and the bias gradients, then dk and dv."""
+        dq_spec, dkdv_spec = self._specs(False)
         q, k, v, call = self.call["q"], self.call["k"], self.call["v"], self.call
         b, h, lq = q.shape[:3]
+        grad_out, row_max, log_sum = call["grad_out"], call["row_max"], call["log_sum"]
         _launch(
             dq_spec, q, k, lambda c: (triton.cdiv(lq, c["BLOCK_M"]) * b * h,),
             lambda c, grid: kernel_function(dq_spec)[grid](
                 q, k, v, *self.pointers, *block_lists.arguments(call, c["BLOCK_M"], c["BLOCK_N"]),
-                *self.seed, *self.rows, self.dq, *self.bias_grads, *self.scalars, *self.dropout,
-                **self.constants, **c.launch_options(),
+                *self.seed, grad_out, call["out"], row_max, log_sum, self.delta, self.dq,
+                *self.bias_grads, *self.scalars, *self.dropout, **self.constants,
+                **c.launch_options(),
             ),
             repeatable=self.repeatable,
         )  # fmt: skip
+        self._dkdv(dkdv_spec)
