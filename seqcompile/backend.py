@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from seqcompile import capture as capture_mod
 from seqcompile import structure, verify
@@ -120,16 +120,24 @@ def fuse(captured: Captured, state: GraphCompile) -> Fused:
         grad_inputs,
         state.options,
         fuse_only=state.fuse_only,
-        static_values={
-            placeholders[i]: state.example_inputs[i].detach().cpu()
-            for i in state.executor.static_inputs
-            if i < len(placeholders) and isinstance(state.example_inputs[i], torch.Tensor)
-        },
+        static_values=_static_values(placeholders, state),
     )
     apply_user_patterns(ctx)
     run_patterns(builtin_patterns(), ctx)
     fuse_regions(ctx)
     return Fused(gm, captured.fake_mode, captured.fake_inputs, captured.draws_random, ctx.sites)
+
+
+def _static_values(placeholders: list[Node], state: GraphCompile) -> dict[Node, torch.Tensor]:
+    """The inputs Dynamo marks static (parameters and buffers) that hold values: plain tensors,
+    not meta, fake or a subclass. Not copied: an evaluation reads what it needs where they are."""
+    values = {}
+    for i in state.executor.static_inputs:
+        example = state.example_inputs[i] if i < len(placeholders) else None
+        plain = type(example) in (torch.Tensor, torch.nn.Parameter)
+        if plain and example.device.type != "meta":
+            values[placeholders[i]] = example.detach()
+    return values
 
 
 def differentiate(fused: Fused, state: GraphCompile) -> Callable[..., Any]:

@@ -117,7 +117,8 @@ class FuseContext:
     """Keys of the sites that may be fused (None: every site); `verify` narrows it."""
     static_values: Mapping[Node, Any] = dataclasses.field(default_factory=dict)
     """The values of the graph inputs Dynamo marks static (parameters and buffers) at compile
-    time, on the CPU: what the report says of a value computed from them alone."""
+    time, where they hold values (`backend._static_values`): what the report says of a value
+    computed from them alone."""
     sites: dict[str, str] = dataclasses.field(default_factory=dict)
     """Key ("family:anchor") of each site fused, in order, with its place in the source."""
     captured: frozenset[str] = dataclasses.field(init=False)

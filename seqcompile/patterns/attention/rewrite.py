@@ -58,7 +58,7 @@ def _note_listed_blocks(ctx: FuseContext, fused: Node) -> None:
     if not isinstance(value, torch.Tensor):
         return
     try:
-        counted = cost.listed_blocks(call, value)
+        counted = cost.listed_blocks(call, value.cpu())
     except (RuntimeError, ValueError) as error:  # (a note of the report: never a failed fusion)
         log.debug("seqfast: the block lists of %s are not counted: %s", fused.name, error)
         return
