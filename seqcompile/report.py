@@ -115,7 +115,7 @@ class CompileReport:
     written)."""
     rewritten: list[Missed] = dataclasses.field(default_factory=list)
     """Math written out that normalize read as the op it computes, each reading confirmed by
-    evaluating its code (`normalize_math.py`), as (site, op, what it was read as)."""
+    evaluating its code (`normalize/written_out.py`), as (site, op, what it was read as)."""
     kernels: list[KernelUse] = dataclasses.field(default_factory=list)
     memory: list[MemoryPlan] = dataclasses.field(default_factory=list)
     graphs: list[str] = dataclasses.field(default_factory=list)

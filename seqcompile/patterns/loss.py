@@ -21,7 +21,6 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile import normalize_loss
 from seqcompile.fx_utils import (
     RESHAPES,
     arg,
@@ -34,6 +33,7 @@ from seqcompile.fx_utils import (
     site_name,
     tensor_val,
 )
+from seqcompile.normalize import loss as normalize_loss
 from seqcompile.ops import cross_entropy, linear_cross_entropy, soft_cross_entropy
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
 from seqcompile.patterns.pointwise_ops import element_wise

@@ -11,7 +11,7 @@
   `t != p` over the sum of that mask is the mean ignoring index p.
 
 These follow from the ops' definitions (normalize reads softmax and logsumexp written out first,
-see `normalize_math.py`). A target eager's gather would refuse (out of range, negative) is refused
+see `written_out.py`). A target eager's gather would refuse (out of range, negative) is refused
 by the loss too: the rows' loss ignores no index (`NO_INDEX`), so no row is dropped that eager
 computes. An expression is read where it is largest: a part whose reader extends it is left to
 that reader.
@@ -20,16 +20,14 @@ that reader.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import arg, is_call, only_user, rank_of, same_shape, tensor_val
-
-if TYPE_CHECKING:
-    from seqcompile.normalize import RuleContext
+from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten
 NO_INDEX = -(2**62)

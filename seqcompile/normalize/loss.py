@@ -22,16 +22,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx_utils import RESHAPES, arg, is_call, same_shape, tensor_val
-
-if TYPE_CHECKING:
-    from seqcompile.normalize import RuleContext
+from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten
 _REDUCTION_SUM = 2

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
 
 from seqcompile.fx_utils import arg, is_call, tensor_val
-
-if TYPE_CHECKING:
-    from seqcompile.normalize import RuleContext
+from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten
 
