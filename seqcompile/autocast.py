@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map
 
-from seqcompile.fx_utils import fake_values, insert_call, source_meta, val
+from seqcompile.fx.nodes import fake_values, insert_call, source_meta, val
 
 aten = torch.ops.aten
 ENTER = torch.amp.autocast_mode._enter_autocast

@@ -29,7 +29,7 @@ from seqcompile import capture as capture_mod
 from seqcompile import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
-from seqcompile.fx_utils import has_symbols
+from seqcompile.fx.nodes import has_symbols
 from seqcompile.lower import choose_implementations, implement
 from seqcompile.lower.executor import Executor, mode_settings, static_inputs
 from seqcompile.memory.passes import PASSES, Plan, plan_inference

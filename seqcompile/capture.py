@@ -45,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from seqcompile import autocast, custom_function
 from seqcompile.custom_function import AUTOGRAD_FUNCTION, has_one_output
-from seqcompile.fx_utils import erase_unused, grad_enabled_at, is_dtensor, site_name
+from seqcompile.fx.nodes import erase_unused, grad_enabled_at, is_dtensor, site_name
 from seqcompile.report import Missed
 
 

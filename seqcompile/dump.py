@@ -18,7 +18,7 @@ from torch.fx import Graph, GraphModule
 
 from seqcompile import dump_folder
 from seqcompile.capture import Uncompilable
-from seqcompile.fx_utils import concrete, has_symbols
+from seqcompile.fx.nodes import concrete, has_symbols
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, KernelUse

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 from torch.utils._pytree import tree_leaves
 
-from seqcompile.fx_utils import site_name
+from seqcompile.fx.nodes import site_name
 
 _GRAD_MODE = torch._C._set_grad_enabled
 _NOT_DIFFERENTIABLE = {

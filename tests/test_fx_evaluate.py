@@ -6,8 +6,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from seqcompile import fx_evaluate
-from seqcompile.fx_evaluate import Evaluator, Unevaluated, other_sizes, traced_sizes
+from seqcompile.fx import evaluate as fx_evaluate
+from seqcompile.fx.evaluate import Evaluator, Unevaluated, other_sizes, traced_sizes
 
 
 def causal_of(x):

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import device_of, site_name
+from seqcompile.fx.nodes import device_of, site_name
 from seqcompile.lower.choice import Choice, choose
 from seqcompile.lower.inline import BODIES, fake_mode_of, inline_bodies
 from seqcompile.lower.planned_launches import launches_planned

@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
 from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
-from seqcompile.fx_utils import concrete, device_of
+from seqcompile.fx.nodes import concrete, device_of
 from seqcompile.lower.inline import Traced, traced_body
 from seqcompile.lower.measure import (
     Measured,

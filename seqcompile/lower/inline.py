@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from seqcompile.fx_utils import same_shape
+from seqcompile.fx.nodes import same_shape
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.index_check import check_indices

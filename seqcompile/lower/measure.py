@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_map
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.lower.inline import Traced, traced_body
 from seqcompile.ops import registry
 

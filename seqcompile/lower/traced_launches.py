@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqcompile.codegen.launches import tracing_launches
-from seqcompile.fx_utils import device_of
+from seqcompile.fx.nodes import device_of
 from seqcompile.lower.inline import Traced, call_inputs, inline_traced, memoized, traced_call
 from seqcompile.lower.measure import run_on_random_inputs
 from seqcompile.lower.planned_launches import plan_launches

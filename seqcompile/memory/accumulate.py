@@ -27,7 +27,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers the seqfast::accumulate* ops)
-from seqcompile.fx_utils import is_call, val
+from seqcompile.fx.nodes import is_call, val
 from seqcompile.memory.estimate import graph_outputs
 from seqcompile.ops import registry
 

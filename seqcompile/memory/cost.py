@@ -15,7 +15,7 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from seqcompile.fx_utils import concrete, fake_values, val
+from seqcompile.fx.nodes import concrete, fake_values, val
 from seqcompile.memory.estimate import tensor_bytes
 from seqcompile.ops import registry
 

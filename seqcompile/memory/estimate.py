@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops import registry
 
 

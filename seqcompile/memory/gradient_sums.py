@@ -16,7 +16,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     erase_unused,
     insert_call,
     insert_getitem,

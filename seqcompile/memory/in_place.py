@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 from seqcompile.memory.estimate import graph_outputs, saved_values, tensor_bytes
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call

@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from seqcompile.fx_utils import concrete, val
+from seqcompile.fx.nodes import concrete, val
 from seqcompile.memory.estimate import graph_outputs, is_fused_output, saved_values
 from seqcompile.ops import registry
 

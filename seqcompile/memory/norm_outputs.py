@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import insert_call, insert_getitem, source_meta
+from seqcompile.fx.nodes import insert_call, insert_getitem, source_meta
 from seqcompile.ops.add_norm.reference import has_prologue
 from seqcompile.ops.fused_op import Call
 

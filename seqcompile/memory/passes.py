@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from seqcompile import structure
 from seqcompile.codegen import KernelSpec, prepare_kernel
-from seqcompile.fx_utils import fake_values, site_name
+from seqcompile.fx.nodes import fake_values, site_name
 from seqcompile.memory import accumulate, budget, norm_outputs
 from seqcompile.memory.cost import node_cost, roofline_for, total_cost
 from seqcompile.memory.gradient_sums import fold_gradient_sums

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     arg,
 )
 from seqcompile.normalize.context import RuleContext

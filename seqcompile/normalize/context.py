@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import insert_call, site_name, source_meta, tensor_val
+from seqcompile.fx.nodes import insert_call, site_name, source_meta, tensor_val
 from seqcompile.report import Missed
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile.fx_utils import erase_unused, in_layout_of, tensor_val
+from seqcompile.fx.nodes import erase_unused, in_layout_of, tensor_val
 from seqcompile.normalize import in_place, loss, matmul, nll, special, spellings, written_out
 from seqcompile.normalize.context import Rule, RuleContext
 from seqcompile.report import CompileReport

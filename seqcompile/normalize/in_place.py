@@ -9,8 +9,8 @@ import torch
 from torch.fx import Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqcompile.fx_aliasing import written_through_a_view
-from seqcompile.fx_utils import grad_enabled_at, in_layout_of, tensor_val
+from seqcompile.fx.aliasing import written_through_a_view
+from seqcompile.fx.nodes import grad_enabled_at, in_layout_of, tensor_val
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

@@ -28,7 +28,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import RESHAPES, arg, is_call, same_shape, tensor_val
+from seqcompile.fx.nodes import RESHAPES, arg, is_call, same_shape, tensor_val
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

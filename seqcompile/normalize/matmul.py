@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import arg, is_call
+from seqcompile.fx.nodes import arg, is_call
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

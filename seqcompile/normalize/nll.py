@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, only_user, rank_of, same_shape, tensor_val
+from seqcompile.fx.nodes import arg, is_call, only_user, rank_of, same_shape, tensor_val
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     arg,
     is_call,
     only_user,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     arg,
     is_call,
     rank_of,

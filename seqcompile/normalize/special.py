@@ -11,7 +11,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import arg, is_call, tensor_val
+from seqcompile.fx.nodes import arg, is_call, tensor_val
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

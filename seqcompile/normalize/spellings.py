@@ -10,7 +10,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import RESHAPES, arg, is_call, rank_of, tensor_val
+from seqcompile.fx.nodes import RESHAPES, arg, is_call, rank_of, tensor_val
 from seqcompile.normalize.context import RuleContext
 
 aten = torch.ops.aten

@@ -30,8 +30,8 @@ import math
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_evaluate import Evaluator, Sizes, Unevaluated, size_at, traced_sizes
-from seqcompile.fx_utils import (
+from seqcompile.fx.evaluate import Evaluator, Sizes, Unevaluated, size_at, traced_sizes
+from seqcompile.fx.nodes import (
     barrier_between,
     node_order,
     tensor_val,

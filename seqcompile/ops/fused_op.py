@@ -20,7 +20,7 @@ import torch
 from torch.fx import Node
 
 from seqcompile.codegen import KernelSpec
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 from seqcompile.ops.samples import Sample
 
 OpOverload = torch._ops.OpOverload

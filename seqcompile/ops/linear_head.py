@@ -18,7 +18,7 @@ from torch._ops import OpOverload
 from torch.fx import Graph, Node
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers accumulate_scaled_)
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops.fused_op import Call, define, gradients, named, needs_grad, schema
 from seqcompile.ops.sharding import (
     NoSharding,

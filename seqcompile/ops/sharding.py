@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from seqcompile.fx_utils import is_dtensor
+from seqcompile.fx.nodes import is_dtensor
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.samples import tensor_slots
 

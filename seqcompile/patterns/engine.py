@@ -17,8 +17,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from seqcompile.fx_evaluate import Evaluator
-from seqcompile.fx_utils import (
+from seqcompile.fx.evaluate import Evaluator
+from seqcompile.fx.nodes import (
     depends_on,
     in_layout_of,
     insert_call,

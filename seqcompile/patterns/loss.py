@@ -21,7 +21,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     RESHAPES,
     arg,
     erase_unused,

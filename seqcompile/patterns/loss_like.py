@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import is_call
+from seqcompile.fx.nodes import is_call
 from seqcompile.patterns import loss as loss_family
 from seqcompile.patterns.engine import FuseContext, Reject
 from seqcompile.patterns.pointwise_ops import element_wise

@@ -24,7 +24,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     RESHAPES,
     concrete,
     erase_unused,

@@ -26,7 +26,7 @@ from torch.fx.passes.utils.fuser_utils import validate_partition
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from seqcompile.capture import trace_function
-from seqcompile.fx_utils import (
+from seqcompile.fx.nodes import (
     describe,
     fake_values,
     node_order,

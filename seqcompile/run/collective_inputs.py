@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from seqcompile.fx_utils import is_dtensor
+from seqcompile.fx.nodes import is_dtensor
 
 try:  # a torch built without distributed support has no collectives
     from torch.distributed._functional_collectives import AsyncCollectiveTensor

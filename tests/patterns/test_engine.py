@@ -16,7 +16,7 @@ from torch import nn
 
 import seqcompile
 from seqcompile.capture import trace_function
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 from seqcompile.patterns import pointwise
 from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import FuseContext, Refused, Reject, rewritten

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops.attention import block_lists, configs, score_mods
 from seqcompile.ops.attention.kernels import ONE_LAUNCH, backward_variants
 from seqcompile.ops.fused_op import Call

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops.attention.reference import expand_heads, no_bias_grad, sum_heads
 from seqcompile.ops.fused_op import Call
 

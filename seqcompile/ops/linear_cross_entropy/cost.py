@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops import linear_head as head
 from seqcompile.ops.fused_op import Call
 

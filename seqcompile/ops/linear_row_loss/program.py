@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import (
     statically_known_true,
 )
 
-from seqcompile.fx_utils import concrete, in_own_thread
+from seqcompile.fx.nodes import concrete, in_own_thread
 from seqcompile.ops.index_check import check_indices
 
 Tensor = torch.Tensor

@@ -13,7 +13,7 @@ import triton
 
 from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.codegen.pointwise import Layout, Load, Mask, index_fits_32_bits, render
-from seqcompile.fx_utils import concrete
+from seqcompile.fx.nodes import concrete
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.pointwise import reference
 from seqcompile.ops.pointwise import region as regions

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.pointwise import PRINTABLE
 from seqcompile.custom_function import apply_one
-from seqcompile.fx_utils import in_own_thread
+from seqcompile.fx.nodes import in_own_thread
 
 aten = torch.ops.aten
 _STAND_IN = (2,)

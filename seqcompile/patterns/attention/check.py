@@ -8,7 +8,7 @@ import math
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import barrier_between, node_order, tensor_val
+from seqcompile.fx.nodes import barrier_between, node_order, tensor_val
 from seqcompile.ops.attention import op as attention_op
 from seqcompile.ops.attention.layout import Layout, broadcasts_to
 from seqcompile.patterns.attention.links import same_batch

@@ -1,7 +1,7 @@
 """What the attention family concludes about a mask or bias from the code that computes it (a mask
 is causal, a window, a prefix's; a float tensor is 0 where a mask keeps and a fill elsewhere; a
 bias is zeros, or depends on positions only through key - query), stated as claims and checked by
-evaluating the model's own sub-graph (`fx_evaluate.py`) at the traced sizes, at a second size in
+evaluating the model's own sub-graph (`fx/evaluate.py`) at the traced sizes, at a second size in
 a dynamic graph, with random values for the inputs it reads. A refuted claim marks its node, which
 the readers then take as the tensor it is; a claim too large to evaluate stands unchecked."""
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_aliasing import computed_from_written
-from seqcompile.fx_evaluate import Evaluator, Sizes, Unevaluated, other_sizes, size_at, traced_sizes
+from seqcompile.fx.aliasing import computed_from_written
+from seqcompile.fx.evaluate import Evaluator, Sizes, Unevaluated, other_sizes, size_at, traced_sizes
 
 if TYPE_CHECKING:
     from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix

@@ -10,7 +10,7 @@ import math
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 from seqcompile.patterns.attention.claims import read_as_is
 from seqcompile.patterns.attention.index_masks import (
     Diagonal,

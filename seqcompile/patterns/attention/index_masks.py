@@ -28,7 +28,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, tensor_val, val
+from seqcompile.fx.nodes import arg, is_call, tensor_val, val
 from seqcompile.patterns.attention.claims import KeepClaim, read_as_is
 from seqcompile.patterns.attention.masks import constant, is_causal, triangle
 

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import RESHAPES, arg, describe, is_call, tensor_val
+from seqcompile.fx.nodes import RESHAPES, arg, describe, is_call, tensor_val
 from seqcompile.ops.attention.layout import broadcasts_to
 from seqcompile.patterns.attention.claims import FillClaim, read_as_is
 from seqcompile.patterns.attention.index_masks import WHERE, HalfPlane, every_row_keeps, whole_slice

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, tensor_val
+from seqcompile.fx.nodes import arg, is_call, tensor_val
 
 aten = torch.ops.aten
 CASTS = (aten.to.dtype,)

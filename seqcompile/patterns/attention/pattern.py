@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from seqcompile.fx_utils import site_name
+from seqcompile.fx.nodes import site_name
 from seqcompile.ops import attention as attention_op
 from seqcompile.patterns.attention.check import check
 from seqcompile.patterns.attention.claims import REFUTED, refutations

@@ -25,7 +25,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, describe, is_call, only_user, tensor_val
+from seqcompile.fx.nodes import arg, describe, is_call, only_user, tensor_val
 from seqcompile.ops.attention.layout import broadcasts_to
 from seqcompile.patterns.attention.fold import (
     apply_links,

@@ -23,7 +23,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.fx_utils import arg, is_call, node_order, tensor_val
+from seqcompile.fx.nodes import arg, is_call, node_order, tensor_val
 from seqcompile.patterns.attention.claims import RelativeClaim
 from seqcompile.patterns.attention.index_masks import linear, whole_slice
 from seqcompile.patterns.engine import FuseContext

@@ -9,8 +9,8 @@ import math
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_evaluate import MAX_ELEMENTS, Evaluator, traced_sizes
-from seqcompile.fx_utils import concrete, erase_unused, insert_getitem, is_call, tensor_val
+from seqcompile.fx.evaluate import MAX_ELEMENTS, Evaluator, traced_sizes
+from seqcompile.fx.nodes import concrete, erase_unused, insert_getitem, is_call, tensor_val
 from seqcompile.ops import attention as attention_op
 from seqcompile.ops.attention import block_lists, cost
 from seqcompile.ops.fused_op import Call

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 from seqcompile.ops.attention import score_mods
 from seqcompile.ops.pointwise.region import UnsupportedRegion
 from seqcompile.patterns.attention.masks import constant

@@ -11,7 +11,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from seqcompile.fx_utils import tensor_val
+from seqcompile.fx.nodes import tensor_val
 
 
 def writes_in_place(node: Node) -> bool:

@@ -15,8 +15,8 @@ import torch
 from torch.fx import Node
 from torch.utils._pytree import tree_map
 
-from seqcompile.fx_aliasing import writes_in_place
-from seqcompile.fx_utils import val
+from seqcompile.fx.aliasing import writes_in_place
+from seqcompile.fx.nodes import val
 
 MAX_ELEMENTS = 1 << 24
 """The most elements one evaluated tensor may have (a 4096 x 4096 mask): a check must cost
