@@ -11,7 +11,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from seqcompile.fx.nodes import tensor_val
+from seqcompile.fx.nodes import depends_on, tensor_val
 
 
 def writes_in_place(node: Node) -> bool:
@@ -74,14 +74,4 @@ def computed_from_written(node: Node) -> bool:
         if writes_in_place(user) and isinstance(user.args[0], Node) and user.args[0] not in written:
             same, views = _family(user.args[0])
             written |= same | views
-    if not written:  # (most graphs)
-        return False
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current in written:
-            return True
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return False
+    return bool(written) and depends_on(node, frozenset(written))  # (most graphs write none)
