@@ -52,7 +52,9 @@ def choose_implementations(
         elif choice.implementation == "kernel" and launches_planned(device, executor):
             choice = _launching(node, choice, fake_mode, "launched from its plan", planned=True)
         node.meta[CHOSEN] = choice
-        label = registry.entry_of(node).label_of(Call.of(node))
+        entry = registry.entry_of(node)
+        label = entry.label_of(Call.of(node))
+        report.saves.setdefault(entry.name, entry.saves)
         site = site_name(node)
         use = ImplementationUse(
             graph, direction, label, node.name, site, choice.implementation, choice.reason

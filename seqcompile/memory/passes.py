@@ -257,6 +257,7 @@ def list_kernels(
             description = entry.describe(call)
             if description:
                 state.report.sites.append(f"{state.name} {label}: {site_name(node)}: {description}")
+        state.report.saves.setdefault(entry.name, entry.saves)
         for spec in registry.kernels_of(node):
             if spec in listed:
                 continue

@@ -29,7 +29,7 @@ from seqcompile.fx.nodes import (
 from seqcompile.ops import sharding
 from seqcompile.ops.fused_op import Call, by_name
 from seqcompile.ops.random import SEED_HIGH
-from seqcompile.ops.registry import entry_of
+from seqcompile.ops.registry import entries_of, entry_of
 from seqcompile.options import Options, switch_on
 from seqcompile.report import CompileReport, Missed
 
@@ -202,7 +202,12 @@ class FuseContext:
         return self.fuse_only is None or site_key(family, anchor) in self.fuse_only
 
     def fused(self, family: str, anchor: Node) -> None:
+        """Record a site of `family` fused at `anchor`: in the sites, and counted in the report
+        with the operators the registry says the family makes."""
         self.sites[site_key(family, anchor)] = site_name(anchor)
+        self.report.counts[family] += 1
+        names = tuple(entry.name for entry in entries_of(family))
+        self.report.operators.setdefault(family, names)
 
     def failed(self, family: str, node: Node, step: str, error: Exception) -> str:
         """Why the site at `node` is left unfused: `error`, raised by `family` while `step` it (a
@@ -325,7 +330,6 @@ def run_patterns(patterns: list[Pattern], ctx: FuseContext) -> None:
                 ctx.report.missed.append(Missed(site_name(node), pattern.family, found.reason))
             elif ctx.admits(pattern.family, node) and rewritten(ctx, pattern.family, node, found):
                 ctx.fused(pattern.family, node)
-                ctx.report.counts[pattern.family] += 1
             break
     ctx.gm.graph.eliminate_dead_code()  # what fed only replaced nodes (a causal mask's builders)
     ctx.gm.graph.lint()

@@ -217,7 +217,6 @@ def fuse_regions(ctx: FuseContext) -> None:
                 ctx.report.missed.append(Missed(site_name(nodes[-1]), FAMILY, fusion.reason))
             elif rewritten(ctx, FAMILY, nodes[-1], fusion):
                 ctx.fused(FAMILY, anchor)
-                ctx.report.counts[FAMILY] += 1
                 fused.update(nodes)
     for node, (reason, neighbours) in borders.items():
         if neighbours & fused:

@@ -21,7 +21,7 @@ A `.grad` keeps its object and layout, as autograd's accumulation keeps them. An
 compiled the accumulating backward to the layout of its inputs (Inductor asserts their strides)
 takes each `.grad` as `zeros_like` lays out the parameter; one the user laid out otherwise
 (transposed, a slice of a larger buffer) is accumulated in a copy so laid out, then copied back
-(counted by `codegen/copies.py`, logged once per graph and layout).
+(counted by `run/copies.py`, logged once per graph and layout).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from seqcompile.codegen import copies
+from seqcompile.run import copies
 
 log = logging.getLogger("seqcompile")
 

@@ -16,8 +16,8 @@ from conftest import assert_close
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import seqcompile.ops.accumulate  # noqa: F401  (registers the seqfast::accumulate* ops)
-from seqcompile.codegen.copies import counting_copies
 from seqcompile.report import collecting
+from seqcompile.run.copies import counting_copies
 
 GRAD_LAYOUTS = ("transposed", "strided", "bucket", "odd", "materialized")
 """`.grad` layouts: the last two dimensions swapped in memory; a slice of wider rows (a step

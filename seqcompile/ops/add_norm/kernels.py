@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import triton
 
-from seqcompile.codegen import KernelSpec, copies, kernel_function
+from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops.add_norm import reference
-from seqcompile.run import runtime, tuning
+from seqcompile.run import copies, runtime, tuning
 from seqcompile.run.tuning import Config
 
 Tensor = torch.Tensor

@@ -11,7 +11,7 @@ import math
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from seqcompile.codegen import copies
+from seqcompile.run import copies
 
 Tensor = torch.Tensor
 

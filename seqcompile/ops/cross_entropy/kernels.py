@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from seqcompile.codegen import KernelSpec, copies, kernel_function
+from seqcompile.codegen import KernelSpec, kernel_function
 from seqcompile.ops.cross_entropy import reference
-from seqcompile.run import runtime
+from seqcompile.run import copies, runtime
 
 Tensor = torch.Tensor
 

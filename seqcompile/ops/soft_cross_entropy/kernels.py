@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from seqcompile.codegen import KernelSpec, copies, kernel_function
-from seqcompile.run import runtime
+from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.run import copies, runtime
 
 Tensor = torch.Tensor
 MAX_BLOCK_V = 4096

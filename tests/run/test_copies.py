@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import seqcompile
-from seqcompile.codegen.copies import counting_copies
+from seqcompile.run.copies import counting_copies
 
 
 def layer_norm(x, w, b):
