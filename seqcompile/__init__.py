@@ -8,12 +8,36 @@ from seqcompile.run import runtime as _runtime
 
 _runtime.request_interpreter_if_asked()  # before anything below imports Triton
 
-from seqcompile.batch_plan import BatchPlan, plan_batch  # noqa: E402
+import importlib  # noqa: E402
+from typing import Any  # noqa: E402
+
 from seqcompile.explain import explain  # noqa: E402
 from seqcompile.options import Options  # noqa: E402
-from seqcompile.patterns.user import register_pattern, unregister_pattern  # noqa: E402
 from seqcompile.report import CompileReport  # noqa: E402
-from seqcompile.timeline import MemoryTimelines, memory_timeline  # noqa: E402
+
+_LATER = {
+    "BatchPlan": "seqcompile.batch_plan",
+    "plan_batch": "seqcompile.batch_plan",
+    "register_pattern": "seqcompile.patterns.user",
+    "unregister_pattern": "seqcompile.patterns.user",
+    "MemoryTimelines": "seqcompile.timeline",
+    "memory_timeline": "seqcompile.timeline",
+}
+"""Public names whose modules load the compiler's stages (and Triton), imported on first use, so
+that importing one stage (`seqcompile.capture`) loads no other."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LATER:
+        raise AttributeError(f"module 'seqcompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LATER[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LATER])
+
 
 __version__ = "0.1.0"
 __all__ = [

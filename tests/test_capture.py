@@ -1,5 +1,9 @@
 """Capture keeps the ops patterns match whole, carries source locations, keeps symbolic sizes."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,3 +154,19 @@ def test_a_custom_function_that_modifies_its_input_runs_the_graph_as_captured():
     expected.sum().backward()
     torch.testing.assert_close(w.grad, w_eager.grad)
     assert any("runs as captured" in m.reason for m in report.missed)
+
+
+def test_importing_the_capture_stage_loads_no_triton_and_no_operator():
+    """Stage 1 stands on the ground floor (the FX helpers, the report as data): a fresh
+    interpreter importing it loads neither Triton nor any fused operator."""
+    code = (
+        "import sys, seqcompile.capture\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'"
+        " or m.startswith('seqcompile.ops')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
