@@ -14,7 +14,7 @@ from checks import check_fusion
 from conftest import KERNELS_IN_SLOW_TIER
 
 from seqcompile.patterns.attention import fold, index_masks, links, masks
-from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
+from seqcompile.patterns.attention.positions import HalfPlane, Prefix
 from seqcompile.patterns.attention.relative_bias import RelativeBias
 from seqcompile.report import collecting
 

@@ -10,16 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Node
 
 from seqcompile.fx.aliasing import computed_from_written
 from seqcompile.fx.evaluate import Evaluator, Sizes, Unevaluated, other_sizes, size_at, traced_sizes
-
-if TYPE_CHECKING:
-    from seqcompile.patterns.attention.index_masks import HalfPlane, Prefix
+from seqcompile.patterns.attention.positions import HalfPlane, Prefix
 
 log = logging.getLogger("seqcompile")
 REFUTED = "seqfast_refuted"

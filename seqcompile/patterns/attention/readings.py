@@ -16,7 +16,7 @@ from typing import ClassVar
 from torch.fx import Node
 
 from seqcompile.patterns.attention.claims import Claim, FillClaim
-from seqcompile.patterns.attention.index_masks import Documents, Prefix
+from seqcompile.patterns.attention.positions import Documents, Prefix
 from seqcompile.patterns.attention.relative_bias import RelativeBias
 
 
