@@ -922,12 +922,14 @@ def test_errors_name_the_problem(case):
 def test_a_mask_of_2_to_the_31_scores_per_head_is_refused_by_the_kernels(interpret):
     """The kernels index a plane of a mask or bias (and its gradient) in 32 bits: a plane of 2**31
     scores is an error naming the sizes, before any kernel runs (q, k and v of one row each
-    stride-0 along the length, the mask one element)."""
+    stride-0 along the length, the mask one element). The kernels' launcher is called itself: the
+    reference, where it runs instead, would make the 2**31 scores."""
     length = 46341  # (its square is just over 2**31)
     q, k, v = (torch.randn(1, 1, 1, 16).expand(1, 1, length, 16) for _ in range(3))
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, length, length)
+    call = Call(attention.default, (q, k, v, None, mask, None, 0, 0.0, 0.25, False, -math.inf), {})
     with pytest.raises(ValueError, match="46341 x 46341 scores per head with a mask or bias"):
-        attention(q, k, v, None, mask, None, 0, 0.0, 0.25, False, -math.inf)
+        attention_kernels.forward(**call)
 
 
 # --------------------------------------------------------------------------------------------
