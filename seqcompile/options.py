@@ -15,15 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def switch_on(name: str) -> bool:
-    """Whether the environment switch `name` (a debug switch, not an option: `SEQFAST_INTERPRET`,
-    `SEQFAST_POISON`, `SEQFAST_STRICT`) is set to a true value."""
-    return os.environ.get(name, "").strip().lower() in _TRUE
-
+from seqcompile.settings import FALSE_WORDS, TRUE_WORDS, OptionError
 
 REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")
@@ -41,10 +33,6 @@ def size_with_unit(text: str) -> int | None:
         r"(\d+(?:\.\d+)?)(B|KB|MB|GB|KIB|MIB|GIB)", text.strip().upper().replace(" ", "")
     )
     return int(float(match[1]) * _UNITS[match[2]]) if match else None
-
-
-class OptionError(ValueError):
-    """An unknown option name or an invalid value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +55,11 @@ class Origin:
 def _parse_bool(where: Origin, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
     raise OptionError(
         f"{where} must be {'' if where.environment else 'a bool or '}one of"
-        f" {', '.join(map(repr, _TRUE + _FALSE))}; got {value!r}"
+        f" {', '.join(map(repr, TRUE_WORDS + FALSE_WORDS))}; got {value!r}"
     )
 
 

@@ -9,7 +9,8 @@ from seqcompile.codegen.launches import (
     counting_launches,
     recording_launches,
 )
-from seqcompile.codegen.render import KernelSpec, kernel_function, prepare_kernel
+from seqcompile.codegen.render import kernel_function, prepare_kernel
+from seqcompile.codegen.spec import KernelSpec
 
 __all__ = [
     "KernelSource",

@@ -16,12 +16,11 @@ import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from triton.runtime.jit import JITFunction
 
-if TYPE_CHECKING:
-    from seqcompile.codegen.render import KernelSpec
+from seqcompile.codegen.spec import KernelSpec
 
 _lock = threading.Lock()
 _open: list[LaunchCount | LaunchRecord] = []

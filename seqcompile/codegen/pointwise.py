@@ -13,7 +13,7 @@ from torch.fx import GraphModule, Node
 
 from seqcompile.codegen import pointwise_arithmetic, pointwise_functions
 from seqcompile.codegen.pointwise_printing import TL_DTYPES, Printer, Unprintable, kind, literal
-from seqcompile.codegen.render import KernelSpec
+from seqcompile.codegen.spec import KernelSpec
 
 __all__ = [
     "PRINTABLE",

@@ -1,17 +1,16 @@
 """Rendering kernel templates: a `KernelSpec` (template name + specialization key) becomes Triton
-source, a file on disk, and a launchable `@triton.jit` function."""
+source, a file on disk, and a launchable `@triton.jit` function (counting its launches)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from seqcompile.codegen.cache import KernelSource, ensure_file, import_source, text_digest
 from seqcompile.codegen.launches import CountedKernel
+from seqcompile.codegen.spec import KernelSpec
 from seqcompile.codegen.special_series import SERIES, needs_special
 from seqcompile.run import runtime
 
@@ -37,36 +36,10 @@ _functions: dict[KernelSpec, tuple[Path, CountedKernel]] = {}
 """The launchable function of each spec, with the file it was imported from."""
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelSpec:
-    """A template plus the values it is specialized on (dtypes, flags, block sizes)."""
-
-    template: str
-    key: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def of(cls, template: str, **key: Any) -> KernelSpec:
-        return cls(template, tuple(sorted(key.items())))
-
-    @property
-    def name(self) -> str:
-        """The template, and the key's `mode` where one template renders several kernels
-        (`"cross_entropy:backward"`): what launch counts and tests call the kernel."""
-        mode = dict(self.key).get("mode")
-        return self.template if mode is None else f"{self.template}:{mode}"
-
-    def render_body(self) -> str:
-        body = _env.get_template(f"{self.template}.py.jinja").render(
-            kernel_name="KERNEL_NAME", **dict(self.key)
-        )
-        return body
-
-    def describe(self) -> str:
-        """The key on one line; long values (generated code) are shown by their size."""
-        return ", ".join(
-            f"{k}=<{len(v)} items>" if isinstance(v, tuple) and len(repr(v)) > 80 else f"{k}={v}"
-            for k, v in self.key
-        )
+def render_body(spec: KernelSpec) -> str:
+    """The kernel's text from its template, the name left as a placeholder."""
+    template = _env.get_template(f"{spec.template}.py.jinja")
+    return template.render(kernel_name="KERNEL_NAME", **dict(spec.key))
 
 
 def _header(spec: KernelSpec) -> str:
@@ -86,7 +59,7 @@ def _render(spec: KernelSpec) -> tuple[str, str]:
     against it whole, so an edit anywhere, appended code or a cut is caught."""
     known = _rendered.get(spec)
     if known is None:
-        generic = _header(spec) + spec.render_body()
+        generic = _header(spec) + render_body(spec)
         label = dict(spec.key).get("label")  # a user pattern's name, in the file's name too
         stem = spec.template if label is None else f"{spec.template}_{label}"
         name = f"{stem}_{text_digest(generic)}"

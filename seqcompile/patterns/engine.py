@@ -30,8 +30,9 @@ from seqcompile.ops import sharding
 from seqcompile.ops.fused_op import Call, by_name
 from seqcompile.ops.random import SEED_HIGH
 from seqcompile.ops.registry import entries_of, entry_of
-from seqcompile.options import Options, switch_on
+from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
+from seqcompile.settings import switch_on
 
 aten = torch.ops.aten
 log = logging.getLogger("seqcompile")

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from seqcompile.options import switch_on
+from seqcompile.settings import switch_on
 
 
 def interpreting() -> bool:

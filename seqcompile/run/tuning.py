@@ -24,7 +24,7 @@ from triton.errors import TritonError
 
 from seqcompile.codegen.cache import CACHE_ENV, add_entry, cache_dir, read_entries, text_digest
 from seqcompile.codegen.launches import launches_traced
-from seqcompile.codegen.render import KernelSpec
+from seqcompile.codegen.spec import KernelSpec
 from seqcompile.fx.nodes import concrete
 
 log = logging.getLogger("seqcompile")
