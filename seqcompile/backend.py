@@ -1,13 +1,13 @@
-"""The `seqfast` torch.compile backend: Dynamo's graph goes through six named stages,
+"""The `seqfast` torch.compile backend: Dynamo's graph goes through six named stages (`STAGES`),
 
     capture -> normalize -> fuse -> differentiate -> plan_memory -> lower
 
-each a function below that takes the value the stage before returned: capture returns a `Captured`
-graph (with the fake mode and inputs it was traced at), normalize the same rewritten, fuse a `Fused`
-graph (with the sites it fused). AOTAutograd drives the last three: `differentiate` hands it
-`plan_memory` as the partitioner, which returns a `Plan`, and `lower_forward` and `lower_backward`,
-which lower that plan's graphs, as the compilers (`Handoff` passes the plan from the one call to the
-others). `GraphCompile` holds only what the stages are given, and the report they add notes to.
+each one package's work: capture returns a `Captured` graph (with the fake mode and inputs it was
+traced at), normalize the same rewritten, fuse a `Fused` graph (with the sites it fused).
+AOTAutograd drives the last three: `differentiate` hands it `plan_memory` as the partitioner, which
+returns a `Plan`, and stage 6's `lower` (`lower/graphs.py`), which lowers that plan's graphs, as the
+compilers (`Handoff` passes the plan from the one call to the others). `GraphCompile` holds only
+what the stages are given, and the report they add notes to.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from seqcompile import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
 from seqcompile.fx.nodes import has_symbols
-from seqcompile.lower import choose_implementations, implement
+from seqcompile.lower import choose_implementations
 from seqcompile.lower.executor import Executor, mode_settings, static_inputs
+from seqcompile.lower.gradient_destination import GradientDestination
+from seqcompile.lower.graphs import lower
 from seqcompile.memory.passes import PASSES, Plan, plan_inference
 from seqcompile.normalize import normalize_graph
 from seqcompile.options import OptionError, Options
@@ -40,8 +42,7 @@ from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
 from seqcompile.report import CompileReport, Missed, publish
-from seqcompile.run import collective_inputs, retained_graph
-from seqcompile.run.gradient_destination import GradientDestination
+from seqcompile.run import collective_inputs
 
 log = logging.getLogger("seqcompile")
 _graph_ids = itertools.count()
@@ -214,10 +215,12 @@ class Handoff:
         return self.plan.forward, self.plan.backward
 
     def lower_forward(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return lower_forward(gm, example_inputs, self.state, self.destination)
+        return lower(gm, example_inputs, self.state, "forward", destination=self.destination)
 
     def lower_backward(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return lower_backward(gm, example_inputs, self.state, self.plan, self.destination)
+        accumulation = self.plan.accumulation
+        returning = None if accumulation is None else accumulation.returning
+        return lower(gm, example_inputs, self.state, "backward", returning, self.destination)
 
     def lower_inference(self, gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         planned = plan_inference(gm, self.fake_mode, self.state)
@@ -226,73 +229,16 @@ class Handoff:
         choose_implementations(
             planned, self.fake_mode, state.options, state.rest, state.report, where
         )
-        return _executable(planned, example_inputs, self.state, "inference")
+        return lower(planned, example_inputs, state, "inference")
 
 
-def lower_forward(
-    gm: GraphModule,
-    example_inputs: Sequence[Any],
-    state: GraphCompile,
-    destination: GradientDestination | None,
-) -> Callable[..., Any]:
-    """Stage 6 for the forward: the graph becomes a callable; fused ops launch their kernels when
-    called, and the rest runs on the chosen executor. With `accumulate_grads`, each call notes
-    where its backward puts the gradients (`run/gradient_destination.py`)."""
-    run = _executable(gm, example_inputs, state, "forward")
-    return run if destination is None else destination.forward(run)
-
-
-def lower_backward(
-    gm: GraphModule,
-    example_inputs: Sequence[Any],
-    state: GraphCompile,
-    plan: Plan,
-    destination: GradientDestination | None,
-) -> Callable[..., Any]:
-    """Stage 6 for the backward, as for the forward. With `accumulate_grads` it is two: one adds
-    the parameters' gradients into `.grad`, one returns them, chosen per call. One whose in-place
-    twins write over saved tensors (`reuse_saved`) copies them first where autograd keeps the
-    graph (`retain_graph=True`, `run/retained_graph.py`), so a second backward works."""
-    written = retained_graph.written_inputs(gm)  # before the executor, which may change `gm`
-    run = _executable(gm, example_inputs, state, "backward")
-    if destination is not None:
-        returning = plan.accumulation.returning
-        received = len(list(returning.graph.find_nodes(op="placeholder")))
-        # made now, inside AOTAutograd's compile contexts, as Inductor needs
-        returned = _executable(returning, example_inputs[:received], state, "backward_returning")
-        # Inductor compiles to its inputs' strides: a .grad laid out otherwise goes through a copy
-        run = destination.backward(run, returned, fixed_layouts=state.rest == "inductor")
-    return retained_graph.keeping_saved(run, written)
-
-
-def _executable(
-    gm: GraphModule, example_inputs: Sequence[Any], state: GraphCompile, kind: str
-) -> Callable[[list[Any]], Any]:
-    """`gm` on the chosen executor, its fused calls implemented as chosen, called the boxed
-    way."""
-    state.dump.stage(f"lower_{kind}", gm)
-    where = (state.name, _DIRECTIONS[kind])
-    if implement(gm, example_inputs, state.options, state.rest, state.report, where):
-        state.dump.stage(f"lower_{kind}_inlined", gm)
-    compiled = state.executor.compile(gm, example_inputs, kind)
-    source = getattr(compiled, "source_code", None)
-    if isinstance(source, str):
-        state.dump.stage(f"lower_{kind}_inductor_code", source)
-    return compiled
-
-
-_DIRECTIONS = {
-    "forward": "forward",
-    "backward": "backward",
-    "backward_returning": "backward to autograd",
-    "inference": "inference",
-}
-"""The report's name for each kind of lowered graph (as stage 5 lists their kernels)."""
-
-
-STAGES = (capture, normalize, fuse)
-"""The stages up to the fused graph, each taking the value the one before returned (capture takes
-Dynamo's graph); `differentiate` then drives `plan_memory` and the `lower_*`."""
+STAGES = (capture, normalize, fuse, differentiate, plan_memory, lower)
+"""The six stages in the order data flows, one package each (`capture/`, `normalize/`,
+`patterns/`, AOTAutograd, `memory/`, `lower/`). The first three run in turn on Dynamo's graph,
+each taking the value the one before returned, and differentiate returns the compiled callable:
+it hands the last two to AOTAutograd, which calls them back (`CALLED_BACK`): `plan_memory` as its
+partitioner, `lower` as its compilers (through `Handoff`)."""
+CALLED_BACK = (plan_memory, lower)
 
 
 class _PassThroughOptionError(ShortenTraceback, OptionError):
@@ -446,10 +392,13 @@ def _compile(
     value: Any = gm
     try:
         for stage in STAGES:
-            value = stage(value, state)
-            state.dump.stage(stage.__name__, value.gm)
-            shape = structure.check(stage.__name__, value.gm, shape)
-        return differentiate(value, state), state, value
+            if stage is differentiate:  # it returns the compiled callable
+                return differentiate(value, state), state, value
+            if stage not in CALLED_BACK:
+                value = stage(value, state)
+                state.dump.stage(stage.__name__, value.gm)
+                shape = structure.check(stage.__name__, value.gm, shape)
+        raise AssertionError(f"STAGES lacks differentiate: {STAGES}")
     except BaseException as error:
         state.dump.unfinished(error)
         raise

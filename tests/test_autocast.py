@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TOLERANCES
 
-from seqcompile import autocast
-from seqcompile.capture import fake_inputs, trace_pre_dispatch
+from seqcompile.capture import autocast, fake_inputs, trace_pre_dispatch
 from seqcompile.demo import Block, GPTConfig
 from seqcompile.report import collecting
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqcompile import custom_function
 from seqcompile.capture import fake_inputs, trace_pre_dispatch
+from seqcompile.fx import custom_function
 
 aten = torch.ops.aten
 

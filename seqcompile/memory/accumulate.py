@@ -8,7 +8,7 @@ even when one compiled graph serves several modules. The backward graph gets one
 per parameter, its `.grad`, passed in at run time and traced laid out as `zeros_like` lays out
 the parameter (the `.grad` a first micro-batch creates; where the user laid one out otherwise, an
 executor compiled to that layout gets it through a copy); the backward as autograd traced it is
-kept beside, for calls whose gradients must go through autograd (`run/gradient_destination.py`
+kept beside, for calls whose gradients must go through autograd (`lower/gradient_destination.py`
 chooses both). Where a gradient comes from, the accumulation goes in: a weight-gradient matmul
 becomes `addmm_` into `.grad`, a fused op's backward output goes through the op's accumulation
 hook in the registry (the linear + cross-entropy scales its finished weight gradient into it), an

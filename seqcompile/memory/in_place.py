@@ -7,7 +7,7 @@ peak. The swap is safe only when no one else can see the saved tensor: it is com
 forward (not a graph input such as a parameter or the user's own tensor) and shares its storage
 with no output the user gets and no other saved value. A backward that autograd runs keeping the
 graph for another (`retain_graph=True`, `create_graph=True`) gives the twins copies of the saved
-tensors instead (`run/retained_graph.py`), so a second backward finds them as the forward left
+tensors instead (`lower/retained_graph.py`), so a second backward finds them as the forward left
 them; a backward that frees the graph, the usual case, writes over them.
 """
 

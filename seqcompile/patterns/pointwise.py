@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 
 from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
-from seqcompile.custom_function import apply_one
+from seqcompile.fx.custom_function import apply_one
 from seqcompile.fx.nodes import (
     arg,
     insert_getitem,

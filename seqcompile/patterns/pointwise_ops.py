@@ -21,7 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from seqcompile.codegen.pointwise import Unprintable, jit_function
-from seqcompile.custom_function import apply_one
+from seqcompile.fx.custom_function import apply_one
 from seqcompile.fx.nodes import arg, tensor_val
 from seqcompile.ops.pointwise import region as regions
 from seqcompile.patterns.engine import Reject

@@ -1,4 +1,4 @@
-"""Run-time code: the choices a compiled step makes when it runs. `runtime.py` chooses, per
-tensor, where a fused operator runs (its kernels, the interpreter or its reference); the rest is
-what stage 6 (lower) wraps around the executor's callables, chosen per call from what autograd
-and the model's wrappers are doing at that call."""
+"""Run-time code the operators and the stages share, choosing per call: `runtime.py` (where a
+fused operator runs: its kernels, the interpreter or its reference), `tuning.py` (the launch
+configuration), `copies.py` (the copies launchers make, counted), `collective_inputs.py` (inputs
+that are a collective's pending result, waited for around stage 4's callable)."""

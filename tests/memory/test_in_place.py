@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from checks import check_fusion
 
+from seqcompile.lower import retained_graph
 from seqcompile.report import collecting
-from seqcompile.run import retained_graph
 
 ROWS, VOCAB, WIDTH = 12, 50, 16
 LOGIT_BYTES = 4 * ROWS * VOCAB

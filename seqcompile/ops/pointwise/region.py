@@ -22,7 +22,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from seqcompile.codegen.pointwise import PRINTABLE
-from seqcompile.custom_function import apply_one
+from seqcompile.fx.custom_function import apply_one
 from seqcompile.fx.nodes import in_own_thread
 
 aten = torch.ops.aten

@@ -43,8 +43,9 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
-from seqcompile import autocast, custom_function
-from seqcompile.custom_function import AUTOGRAD_FUNCTION, has_one_output
+from seqcompile.capture import autocast
+from seqcompile.fx import custom_function
+from seqcompile.fx.custom_function import AUTOGRAD_FUNCTION, has_one_output
 from seqcompile.fx.nodes import erase_unused, grad_enabled_at, is_dtensor, site_name
 from seqcompile.report import Missed
 
