@@ -16,12 +16,12 @@ from seqcompile.options import Options  # noqa: E402
 from seqcompile.report import CompileReport  # noqa: E402
 
 _LATER = {
-    "BatchPlan": "seqcompile.batch_plan",
-    "plan_batch": "seqcompile.batch_plan",
+    "BatchPlan": "seqcompile.memory.batch_plan",
+    "plan_batch": "seqcompile.memory.batch_plan",
     "register_pattern": "seqcompile.patterns.user",
     "unregister_pattern": "seqcompile.patterns.user",
-    "MemoryTimelines": "seqcompile.timeline",
-    "memory_timeline": "seqcompile.timeline",
+    "MemoryTimelines": "seqcompile.memory.timeline",
+    "memory_timeline": "seqcompile.memory.timeline",
 }
 """Public names whose modules load the compiler's stages (and Triton), imported on first use, so
 that importing one stage (`seqcompile.capture`) loads no other."""

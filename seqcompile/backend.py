@@ -13,10 +13,8 @@ what the stages are given, and the report they add notes to.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,12 +24,18 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule, Node
 
 from seqcompile import capture as capture_mod
-from seqcompile import structure, verify
+from seqcompile.capture.as_captured import (
+    as_captured,
+    captured_if_first_call_fails,
+    first_line,
+    subclass_in,
+)
+from seqcompile.checks import structure, verify
 from seqcompile.codegen.cache import check_cache_dir
 from seqcompile.dump import GraphDump
 from seqcompile.fx.nodes import has_symbols
 from seqcompile.lower import choose_implementations
-from seqcompile.lower.executor import Executor, mode_settings, static_inputs
+from seqcompile.lower.executor import Executor, default_rest, mode_settings, static_inputs
 from seqcompile.lower.gradient_destination import GradientDestination
 from seqcompile.lower.graphs import lower
 from seqcompile.memory.passes import PASSES, Plan, plan_inference
@@ -41,7 +45,7 @@ from seqcompile.patterns import builtin_patterns
 from seqcompile.patterns.engine import FuseContext, run_patterns
 from seqcompile.patterns.pointwise import fuse_regions
 from seqcompile.patterns.user import apply_user_patterns
-from seqcompile.report import CompileReport, Missed, publish
+from seqcompile.report import CompileReport, publish
 from seqcompile.run import collective_inputs
 
 log = logging.getLogger("seqcompile")
@@ -255,28 +259,6 @@ def _configure_log(level: str) -> None:
         log.addHandler(handler)
 
 
-def _default_rest(example_inputs: Sequence[Any]) -> str:
-    """Inductor where it can compile: on CUDA, and on CPU where it finds a C++ compiler."""
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    return "inductor" if on_cuda or _cpu_compiler() else "eager"
-
-
-@functools.cache
-def _cpu_compiler() -> bool:
-    from torch._inductor import cpp_builder
-
-    try:
-        cpp_builder.get_cpp_compiler()
-        return True
-    except Exception as error:  # Inductor's own error for a missing or unusable compiler
-        log.warning(
-            "seqfast hands the rest of CPU graphs to eager: Inductor finds no C++ compiler (%s);"
-            ' set options={"rest": "eager"} to silence this',
-            error,
-        )
-        return False
-
-
 def seqfast(
     gm: GraphModule,
     example_inputs: Sequence[Any],
@@ -303,60 +285,23 @@ def seqfast(
     try:
         compiled, state, fused = _compile(gm, example_inputs, opts, name=name, settings=settings)
     except capture_mod.Uncompilable as reason:
-        return _as_captured(gm, str(reason), name)
+        return as_captured(gm, str(reason), name)
     except Exception as error:  # on a tensor subclass the stages do not know, never a crash
-        subclass = capture_mod.subclass_in(gm, example_inputs)
+        subclass = subclass_in(gm, example_inputs)
         if subclass is None:
             raise
-        return _as_captured(gm, f"it holds a {subclass}, on which {_first_line(error)}", name)
+        return as_captured(gm, f"it holds a {subclass}, on which {first_line(error)}", name)
     if opts.verify:
         compiled = _verify(gm, opts, compiled, state, fused)
-    subclass = capture_mod.subclass_in(gm, example_inputs)
+    subclass = subclass_in(gm, example_inputs)
     if subclass is not None:
-        compiled = _captured_if_first_call_fails(compiled, gm, name, subclass)
+        compiled = captured_if_first_call_fails(compiled, gm, name, subclass)
     _release(state)
     state.report.graphs.append(state.name)
     state.dump.report(state.report)
     publish(state.report)
     log.info("%s compiled:\n%s", state.name, state.report)
     return compiled
-
-
-def _captured_if_first_call_fails(
-    compiled: Callable[..., Any], gm: GraphModule, name: str, subclass: str
-) -> Callable[..., Any]:
-    """`compiled`, unless its first call raises: then that call and every later one run the graph
-    as Dynamo captured it, said as `_as_captured` says it (AOTAutograd's runtime meets some
-    tensor subclass graphs only there, where every rank fails alike)."""
-    chosen: list[Callable[..., Any]] = []
-
-    def run(*args: Any) -> Any:
-        if chosen:
-            return chosen[0](*args)
-        try:
-            result = compiled(*args)
-        except Exception as error:
-            reason = f"it holds a {subclass}, on which its first call raised {_first_line(error)}"
-            chosen.append(_as_captured(gm, reason, name))
-            return chosen[0](*args)
-        chosen.append(compiled)
-        return result
-
-    return run
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
-def _as_captured(gm: GraphModule, reason: str, name: str) -> Callable[..., Any]:
-    """Run the graph as Dynamo captured it, saying why in a warning and the report."""
-    warnings.warn(f"seqfast: {name} runs as captured, nothing fused: {reason}", stacklevel=2)
-    report = CompileReport(graphs=[name])
-    report.missed.append(Missed(name, "graph", f"runs as captured, nothing fused: {reason}"))
-    publish(report)
-    return gm.forward
 
 
 def _compile(
@@ -371,7 +316,7 @@ def _compile(
     are Inductor's for torch.compile's mode. Returns the compiled graph, what the compile was
     given (with its report) and what fuse returned."""
     name = name or f"graph_{next(_graph_ids)}"
-    rest = opts.rest or _default_rest(example_inputs)
+    rest = opts.rest or default_rest(example_inputs)
     state = GraphCompile(
         name=name,
         options=opts,
@@ -392,13 +337,15 @@ def _compile(
     value: Any = gm
     try:
         for stage in STAGES:
-            if stage is differentiate:  # it returns the compiled callable
-                return differentiate(value, state), state, value
-            if stage not in CALLED_BACK:
-                value = stage(value, state)
-                state.dump.stage(stage.__name__, value.gm)
-                shape = structure.check(stage.__name__, value.gm, shape)
-        raise AssertionError(f"STAGES lacks differentiate: {STAGES}")
+            if stage in CALLED_BACK:  # AOTAutograd calls them, from differentiate
+                continue
+            result = stage(value, state)
+            if not isinstance(result, Captured):  # differentiate's compiled callable
+                return result, state, value
+            value = result
+            state.dump.stage(stage.__name__, value.gm)
+            shape = structure.check(stage.__name__, value.gm, shape)
+        raise AssertionError(f"no stage of {STAGES} returned a compiled callable")
     except BaseException as error:
         state.dump.unfinished(error)
         raise
@@ -416,60 +363,19 @@ def _verify(
     state: GraphCompile,
     fused: Fused,
 ) -> Callable[..., Any]:
-    """`compiled`, compared with Dynamo's graph on its first call's inputs; from then on it runs
-    without the fused sites that made them differ (`fused`: what the fuse stage returned). What was
-    found is published as a report of its own and added to the dump's report."""
+    """`compiled`, compared with Dynamo's graph on its first call's inputs (`checks/verify.py`);
+    recompiled without the fused sites that made them differ, quietly, at the symbolic sizes
+    where the sizes are symbolic, so the result serves every size."""
     quiet = dataclasses.replace(opts, dump_dir=None, verify=False)
-    chosen: list[Callable[..., Any]] = []
     symbolic = list(fused.fake_inputs) if has_symbols(fused.fake_inputs) else None
-    sites, draws_random = fused.sites, fused.draws_random
 
-    def run(*args: Any) -> Any:
-        if not chosen:
-            recompiled: list[tuple[Callable[..., Any], CompileReport]] = []
+    def recompile(only: frozenset[str] | None, args: Sequence[Any]) -> verify.Recompiled:
+        name = f"{state.name}_without_some_sites"
+        settings = state.executor.settings
+        again, again_state, again_fused = _compile(
+            gm, symbolic or args, quiet, only, name=name, settings=settings
+        )
+        _release(again_state)
+        return again, again_state.report, again_fused.sites
 
-            def recompile(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
-                # with dynamic shapes, at the symbolic sizes, so the result serves every size
-                again, again_state, again_fused = _compile(
-                    gm,
-                    symbolic or args,
-                    quiet,
-                    only,
-                    name=f"{state.name}_without_some_sites",
-                    settings=state.executor.settings,
-                )
-                _release(again_state)
-                recompiled.append((again, again_state.report))
-                return again, again_fused.sites
-
-            result, finding = verify.verified(
-                state.name,
-                gm,
-                compiled,
-                sites,
-                recompile,
-                args,
-                state.dump.folder,
-                draws_random,
-            )
-            found = CompileReport(verified=[finding])
-            if result is not compiled:  # what runs now launches other kernels, or none
-                found.withdrawn = (state.name,)
-            if result is gm:  # running eager: nothing is fused
-                found.counts.subtract(state.report.counts)
-            else:
-                found.counts.subtract(site.split(":")[0] for site in finding.left_unfused)
-                kept = next((r for c, r in recompiled if c is result), CompileReport())
-                found.kernels, found.memory = kept.kernels, kept.memory
-                found.variants, found.sites = kept.variants, kept.sites
-            found.missed += [
-                Missed(state.name, "verify", f"left unfused: {site}")
-                for site in finding.left_unfused
-            ]
-            state.report.merge(found)
-            state.dump.report(state.report)
-            publish(found)
-            chosen.append(result)
-        return chosen[0](*args)
-
-    return run
+    return verify.on_first_call(gm, compiled, state, fused, recompile)

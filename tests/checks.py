@@ -17,12 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from seqcompile.backend import seqfast
+from seqcompile.checks.verify import copy_as_given
 from seqcompile.demo import GPTConfig, toy_batch
 from seqcompile.memory.saved import saved_bytes
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.ops.samples import Sample
 from seqcompile.report import CompileReport, collecting
-from seqcompile.verify import copy_as_given
 
 
 def _clone(inputs: Sequence[Any]) -> list[Any]:

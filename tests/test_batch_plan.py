@@ -7,8 +7,8 @@ import torch
 from checks import TINY_GPT, tiny_gpt_batch
 
 import seqcompile
-from seqcompile.batch_plan import Curve
 from seqcompile.demo import GPT
+from seqcompile.memory.batch_plan import Curve
 from seqcompile.report import collecting
 
 pytestmark = pytest.mark.slow  # each test plans and compiles a model several times

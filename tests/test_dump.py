@@ -18,7 +18,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from seqcompile import dump
+from seqcompile.dump import graphs as dump
 
 
 class Block(nn.Module):

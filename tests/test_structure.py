@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import seqcompile.patterns.engine as engine
-from seqcompile import structure
+from seqcompile.checks import structure
 from seqcompile.ops.pointwise import region as pointwise_region
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqcompile import verify
+from seqcompile.checks import verify
 from seqcompile.ops.add_norm import reference as norm_reference
 from seqcompile.ops.cross_entropy import reference as cross_entropy
 from seqcompile.report import collecting

@@ -200,16 +200,6 @@ def _on_dtensors(node: torch.fx.Node) -> bool:
     return any(is_dtensor(v) for v in pytree.tree_leaves(values))
 
 
-def subclass_in(gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:
-    """The name of a tensor subclass (DTensor, a quantized or nested tensor, ...) among the
-    graph's inputs or the values Dynamo recorded for its nodes (None: it holds none)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    values = [*example_inputs, *(n.meta.get("example_value") for n in gm.graph.nodes)]
-    found = next((v for v in pytree.tree_leaves(values) if is_traceable_wrapper_subclass(v)), None)
-    return None if found is None else type(found).__name__
-
-
 def dtensor_method(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
     """`value.name(*args, **kwargs)`: a method call on a DTensor (`redistribute`, `to_local`) as
     the function a graph node calls."""

@@ -8,11 +8,13 @@ eager executor runs the graph as it is."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.fx import GraphModule
 from torch.fx.graph import _BoxedCodeGen
 
@@ -24,6 +26,28 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 """The `torch.compile` modes the backend takes (None: "default")."""
 
 _graph_ids = itertools.count()
+
+
+def default_rest(example_inputs: Sequence[Any]) -> str:
+    """Inductor where it can compile: on CUDA, and on CPU where it finds a C++ compiler."""
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return "inductor" if on_cuda or _cpu_compiler() else "eager"
+
+
+@functools.cache
+def _cpu_compiler() -> bool:
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+        return True
+    except Exception as error:  # Inductor's own error for a missing or unusable compiler
+        log.warning(
+            "seqfast hands the rest of CPU graphs to eager: Inductor finds no C++ compiler (%s);"
+            ' set options={"rest": "eager"} to silence this',
+            error,
+        )
+        return False
 
 
 def mode_settings(mode: str | None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.fx import GraphModule, Node
 
-from seqcompile import structure
+from seqcompile.checks import structure
 from seqcompile.codegen import KernelSpec, prepare_kernel
 from seqcompile.fx.nodes import fake_values, site_name
 from seqcompile.memory import accumulate, budget, norm_outputs

@@ -10,9 +10,9 @@ import torch._inductor.compile_fx as compile_fx
 from conftest import TOLERANCES
 from torch._inductor import cpp_builder
 
-import seqcompile.backend as backend
 from seqcompile import report
 from seqcompile.demo import GPT, GPTConfig, toy_batch
+from seqcompile.lower import executor
 from seqcompile.ops.registry import FAMILIES, entry_of
 
 COMPILE_FX_INNER = compile_fx.compile_fx_inner
@@ -98,11 +98,11 @@ def test_by_default_inductor_gets_the_rest_unless_it_finds_no_compiler(monkeypat
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
-    backend._cpu_compiler.cache_clear()
+    executor._cpu_compiler.cache_clear()
     try:
         loss, _, given = _step(monkeypatch, None)
     finally:
-        backend._cpu_compiler.cache_clear()
+        executor._cpu_compiler.cache_clear()
     assert not given and torch.isfinite(loss)
     assert "Inductor finds no C++ compiler (no C++ compiler found)" in caplog.text
 

@@ -21,13 +21,15 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves
 
-from seqcompile import dump
+from seqcompile.dump import GraphDump
+from seqcompile.dump import graphs as dump
+from seqcompile.report import CompileReport, Missed, publish
 
 log = logging.getLogger("seqcompile")
 
@@ -126,6 +128,81 @@ def verified(
         stacklevel=2,
     )
     return compiled, Finding(name, verdict, unfused, str(repro))
+
+
+Recompiled = tuple[Callable[..., Any], CompileReport, dict[str, str]]
+"""A recompile's callable, its report and the sites it fused."""
+
+
+class Compiled(Protocol):
+    """What `on_first_call` reads of the compile it checks."""
+
+    name: str
+    report: CompileReport
+    dump: GraphDump
+
+
+class Fused(Protocol):
+    """What it reads of the fuse stage's result: the sites (key to place) and whether the graph
+    draws random numbers."""
+
+    sites: dict[str, str]
+    draws_random: bool
+
+
+def on_first_call(
+    captured: GraphModule,
+    compiled: Callable[..., Any],
+    state: Compiled,
+    fused: Fused,
+    recompile: Callable[[frozenset[str] | None, Sequence[Any]], Recompiled],
+) -> Callable[..., Any]:
+    """`compiled`, compared with `captured` on its first call's inputs; from then on it runs
+    without the fused sites that made them differ (`recompile`: the graph compiled fusing only
+    the given sites, at the given inputs). What was found is published as a report of its own
+    and added to the compile's report and its dump."""
+    chosen: list[Callable[..., Any]] = []
+
+    def run(*args: Any) -> Any:
+        if not chosen:
+            recompiled: list[tuple[Callable[..., Any], CompileReport]] = []
+
+            def again(only: frozenset[str] | None) -> tuple[Callable[..., Any], dict[str, str]]:
+                function, report, sites = recompile(only, args)
+                recompiled.append((function, report))
+                return function, sites
+
+            result, finding = verified(
+                state.name,
+                captured,
+                compiled,
+                fused.sites,
+                again,
+                args,
+                state.dump.folder,
+                fused.draws_random,
+            )
+            found = CompileReport(verified=[finding])
+            if result is not compiled:  # what runs now launches other kernels, or none
+                found.withdrawn = (state.name,)
+            if result is captured:  # running eager: nothing is fused
+                found.counts.subtract(state.report.counts)
+            else:
+                found.counts.subtract(site.split(":")[0] for site in finding.left_unfused)
+                kept = next((r for c, r in recompiled if c is result), CompileReport())
+                found.kernels, found.memory = kept.kernels, kept.memory
+                found.variants, found.sites = kept.variants, kept.sites
+            found.missed += [
+                Missed(state.name, "verify", f"left unfused: {site}")
+                for site in finding.left_unfused
+            ]
+            state.report.merge(found)
+            state.dump.report(state.report)
+            publish(found)
+            chosen.append(result)
+        return chosen[0](*args)
+
+    return run
 
 
 def _first_failing_site(
@@ -252,7 +329,7 @@ def _write_repro(
             f"Run: python {path.name}",
             captured,
             args,
-            "from seqcompile.verify import difference",
+            "from seqcompile.checks.verify import difference",
             "    module, args = Repro(), inputs()\n"
             '    compiled = torch.compile(module, backend="seqfast")\n'
             '    print(difference(module, compiled, args) or "matches eager")\n',

@@ -16,8 +16,8 @@ from torch._dynamo.debug_utils import NNModuleToString
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Graph, GraphModule
 
-from seqcompile import dump_folder
 from seqcompile.capture import Uncompilable
+from seqcompile.dump import folder as dump_folder
 from seqcompile.fx.nodes import concrete, has_symbols
 from seqcompile.ops.fused_op import Call
 from seqcompile.options import Options
