@@ -36,12 +36,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from benchmarks.common import emit, header, table, timed_ms
 from seqcompile import lower
-from seqcompile.codegen import counting_launches
+from seqcompile.codegen import counting_launches, tuning
 from seqcompile.codegen.launches import CountedKernel, launches_traced
 from seqcompile.demo import GPT, GPT2_SMALL, GPTConfig, toy_batch
 from seqcompile.lower.planned_launches import plan_launches
 from seqcompile.lower.traced_launches import launch_trace
-from seqcompile.run import runtime, tuning
+from seqcompile.run import runtime
 
 INTERPRETED = {"SEQFAST_INTERPRET": "1", "TRITON_INTERPRET": "1"}
 """The kernel path runs on CPU only under the interpreter's switch, which Triton reads when it is

@@ -37,10 +37,10 @@ from triton.compiler import ASTSource
 
 from benchmarks.common import brief, emit, header, progress, table
 from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen.tuning import Config
 from seqcompile.ops.add_norm import kernels as norm
 from seqcompile.ops.attention import configs as attention_configs
 from seqcompile.ops.attention import kernels as attention
-from seqcompile.run.tuning import Config
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}

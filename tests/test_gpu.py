@@ -14,6 +14,7 @@ from conftest import TOLERANCES
 import seqcompile
 import seqcompile.lower
 import seqcompile.ops.attention as attention_entry
+from seqcompile.codegen import tuning
 from seqcompile.demo import GPT, GPTConfig, train
 from seqcompile.ops.add_norm import kernels as norm_kernels
 from seqcompile.ops.add_norm import op as norm_op
@@ -24,7 +25,6 @@ from seqcompile.ops.attention import reference as attention_reference
 from seqcompile.ops.attention import vendor as attention_vendor
 from seqcompile.ops.fused_op import Call
 from seqcompile.report import collecting
-from seqcompile.run import tuning
 
 pytestmark = pytest.mark.gpu
 cuda = torch.device("cuda")

@@ -31,6 +31,7 @@ import triton
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
+from seqcompile.codegen import tuning
 from seqcompile.codegen.cache import add_entry, cache_dir, read_entries, text_digest
 from seqcompile.fx.nodes import concrete, device_of
 from seqcompile.lower.inline import Traced, traced_body
@@ -46,7 +47,7 @@ from seqcompile.lower.traced_launches import launch_trace, launches_inlined
 from seqcompile.ops import registry
 from seqcompile.ops.fused_op import Call, FusedOp
 from seqcompile.options import Options
-from seqcompile.run import runtime, tuning
+from seqcompile.run import runtime
 
 log = logging.getLogger("seqcompile")
 

@@ -15,7 +15,7 @@ symbolic size's exact value, an op that writes over its argument) stays a call, 
 says why. At symbolic sizes the grids stay expressions of the sizes, launch configurations are
 those chosen at the sizes traced (their hints), and bounds the launcher checks (an index past
 2**31) become guards, so one compile serves every size within them. On CUDA a call's kernels are
-tuned at its sizes before the trace, which times nothing (`run/tuning.py`)."""
+tuned at its sizes before the trace, which times nothing (`codegen/tuning.py`)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,13 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from seqcompile.codegen import tuning
 from seqcompile.codegen.launches import tracing_launches
 from seqcompile.fx.nodes import device_of
 from seqcompile.lower.inline import Traced, call_inputs, inline_traced, memoized, traced_call
 from seqcompile.lower.measure import run_on_random_inputs
 from seqcompile.lower.planned_launches import plan_launches
-from seqcompile.run import runtime, tuning
+from seqcompile.run import runtime
 
 __all__ = ["inline_launches", "launch_trace", "launches_inlined"]
 

@@ -1,4 +1,4 @@
 """Run-time code the operators and the stages share, choosing per call: `runtime.py` (where a
-fused operator runs: its kernels, the interpreter or its reference), `tuning.py` (the launch
-configuration), `copies.py` (the copies launchers make, counted), `collective_inputs.py` (inputs
-that are a collective's pending result, waited for around stage 4's callable)."""
+fused operator runs: its kernels, the interpreter or its reference), `copies.py` (the copies
+launchers make, counted), `collective_inputs.py` (inputs that are a collective's pending result,
+waited for around stage 4's callable)."""

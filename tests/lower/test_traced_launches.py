@@ -17,14 +17,13 @@ import torch
 
 import seqcompile.lower as lower
 from seqcompile import report
-from seqcompile.codegen import KernelSpec, counting_launches
+from seqcompile.codegen import KernelSpec, counting_launches, tuning
 from seqcompile.codegen.cache import add_entry
 from seqcompile.codegen.launches import tracing_launches
+from seqcompile.codegen.tuning import Config
 from seqcompile.lower import traced_launches
 from seqcompile.ops import registry
 from seqcompile.ops.add_norm import kernels as norm
-from seqcompile.run import tuning
-from seqcompile.run.tuning import Config
 from tests.lower.eager_steps import eager_step
 
 ROOT = Path(__file__).resolve().parents[2]

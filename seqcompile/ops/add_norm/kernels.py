@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import triton
 
-from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen import KernelSpec, kernel_function, tuning
+from seqcompile.codegen.tuning import Config
 from seqcompile.ops.add_norm import reference
-from seqcompile.run import copies, runtime, tuning
-from seqcompile.run.tuning import Config
+from seqcompile.run import copies, runtime
 
 Tensor = torch.Tensor
 

@@ -1,5 +1,5 @@
 """Launch configurations of the attention kernels: per kernel and head dim, the space each is
-tuned over on CUDA (`run/tuning.py`), its default first; the interpreter's one small tile
+tuned over on CUDA (`codegen/tuning.py`), its default first; the interpreter's one small tile
 elsewhere.
 
 The defaults are what the sm_90 compile (`python -m benchmarks.kernel_resources`) shows clean:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from seqcompile.run.tuning import Config
+from seqcompile.codegen.tuning import Config
 
 KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dkdv:with_dq", "attention_bwd_dq")
 """The kernels by name (`KernelSpec.name`): dk and dv's kernel adding dq (`with_dq`) takes its own

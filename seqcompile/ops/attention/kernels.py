@@ -10,13 +10,13 @@ from typing import Any
 import torch
 import triton
 
-from seqcompile.codegen import KernelSpec, kernel_function
+from seqcompile.codegen import KernelSpec, kernel_function, tuning
+from seqcompile.codegen.tuning import Config
 from seqcompile.ops.attention import block_lists, configs, reference, score_mods
 from seqcompile.ops.attention.block_lists import BLOCKS
 from seqcompile.ops.attention.layout import scores_shape4, strides4
 from seqcompile.ops.fused_op import Call
-from seqcompile.run import copies, runtime, tuning
-from seqcompile.run.tuning import Config
+from seqcompile.run import copies, runtime
 
 Tensor = torch.Tensor
 

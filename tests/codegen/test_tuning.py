@@ -10,11 +10,10 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from seqcompile.codegen import KernelSpec
+from seqcompile.codegen import KernelSpec, tuning
+from seqcompile.codegen.tuning import Config
 from seqcompile.ops.add_norm import kernels as norm
 from seqcompile.ops.attention import configs as attention_configs
-from seqcompile.run import tuning
-from seqcompile.run.tuning import Config
 
 SPEC = KernelSpec.of("attention_fwd", causal=True)
 SPACE = [Config.of(BLOCK_M=m, num_warps=w) for m, w in ((128, 4), (64, 4), (128, 8))]
