@@ -71,113 +71,139 @@ class RelativeBias:
 
 def read_relative(bias: Node, lq: object, lk: object) -> RelativeBias | None:
     """`bias` (..., Lq, Lk) as a relative bias, or None."""
-    found = RelativeBias(bias, {}, {})
-    positional: dict[Node, bool] = {}
-    dims = _dims(bias, lq, lk, found, positional)
+    reading = _Reading(lq, lk, RelativeBias(bias, {}, {}))
+    dims = reading.dims(bias)
     rank = tensor_val(bias).dim()
     if dims is None or dims is _FREE or dims != Dims(rank - 2, rank - 1):
         return None
-    return found
+    return reading.found
 
 
 _FREE = Dims(-1, -1)
 """A value that does not depend on positions."""
 
 
-def _dims(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """Where `node`'s positions lie (`_FREE` without any), recording the path in `found`; None
-    where it depends on positions otherwise than position by position through differences."""
-    if not isinstance(node, Node):
-        return _FREE
-    if node in found.dims:
-        return found.dims[node]
-    if not _depends_on_positions(node, positional):
-        return _FREE
-    value = tensor_val(node)
-    if value is None or value.dim() < 2:
-        return None
-    form = linear(node, lq, lk)
-    if form is not None and form.q == -form.kv and form.kv in (-1, 1):
-        rank = value.dim()
-        if not (
-            statically_known_true(value.shape[-2] == lq)
-            and statically_known_true(value.shape[-1] == lk)
-        ):
+@dataclasses.dataclass
+class _Reading:
+    """One walk from a bias back to the differences of positions it is made of, for scores of
+    `lq` queries and `lk` keys: the path it takes goes into `found`; `positional` keeps which
+    nodes depend on positions at all."""
+
+    lq: object
+    lk: object
+    found: RelativeBias
+    positional: dict[Node, bool] = dataclasses.field(default_factory=dict)
+
+    def dims(self, node: object) -> Dims | None:
+        """Where `node`'s positions lie (`_FREE` without any), recording the path in `found`;
+        None where it depends on positions otherwise than position by position through
+        differences."""
+        if not isinstance(node, Node):
+            return _FREE
+        if node in self.found.dims:
+            return self.found.dims[node]
+        if not _depends_on_positions(node, self.positional):
+            return _FREE
+        value = tensor_val(node)
+        if value is None or value.dim() < 2:
             return None
-        found.differences[node] = (form.kv, form.constant)
-        dims = Dims(rank - 2, rank - 1)
-    else:
-        dims = _through(node, lq, lk, found, positional)
-    if dims is None or dims is _FREE:  # positions, taken otherwise than through differences
-        return None
-    found.dims[node] = dims
-    return dims
-
-
-def _through(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """The position dims of an op's result from its operands'."""
-    if is_call(node, aten.embedding.default, aten.index.Tensor):
-        return _through_lookup(node, lq, lk, found, positional)
-    if is_call(node, aten.permute.default, aten.transpose.int, aten.unsqueeze.default):
-        inner = _dims(node.args[0], lq, lk, found, positional)
-        return None if inner in (None, _FREE) else inner.moved(_moves(node, tensor_val(node).dim()))
-    if is_call(node, aten.slice.Tensor, aten.expand.default):
-        return _through_view(node, lq, lk, found, positional)
-    if not (is_call(node, *_PER_POSITION) or _pointwise(node)):
-        return None
-    dims = _operands_dims(node, lq, lk, found, positional)
-    if dims is None or not _constant_along(node, dims, found):
-        return None
-    return dims
-
-
-def _through_lookup(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """`embedding(table, index)` or `source[index]`: the index's dims, the table's constant."""
-    if is_call(node, aten.embedding.default):
-        if arg(node, 3, "scale_grad_by_freq"):  # its counts are per score, not per diagonal
+        form = linear(node, self.lq, self.lk)
+        if form is not None and form.q == -form.kv and form.kv in (-1, 1):
+            rank = value.dim()
+            if not (
+                statically_known_true(value.shape[-2] == self.lq)
+                and statically_known_true(value.shape[-1] == self.lk)
+            ):
+                return None
+            self.found.differences[node] = (form.kv, form.constant)
+            dims = Dims(rank - 2, rank - 1)
+        else:
+            dims = self._through(node)
+        if dims is None or dims is _FREE:  # positions, taken otherwise than through differences
             return None
-        table, looked_up = node.args[0], [node.args[1]]
-    else:
-        table, looked_up = node.args[:2]
-    if len(looked_up) != 1 or _dims(table, lq, lk, found, positional) is not _FREE:
-        return None
-    return _dims(looked_up[0], lq, lk, found, positional)
+        self.found.dims[node] = dims
+        return dims
 
+    def _through(self, node: Node) -> Dims | None:
+        """The position dims of an op's result from its operands'."""
+        if is_call(node, aten.embedding.default, aten.index.Tensor):
+            return self._through_lookup(node)
+        if is_call(node, aten.permute.default, aten.transpose.int, aten.unsqueeze.default):
+            inner = self.dims(node.args[0])
+            if inner in (None, _FREE):
+                return None
+            return inner.moved(_moves(node, tensor_val(node).dim()))
+        if is_call(node, aten.slice.Tensor, aten.expand.default):
+            return self._through_view(node)
+        if not (is_call(node, *_PER_POSITION) or _pointwise(node)):
+            return None
+        dims = self._operands_dims(node)
+        if dims is None or not _constant_along(node, dims, self.found):
+            return None
+        return dims
 
-def _through_view(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """A slice or expand that keeps the sizes of the position dims (a slice the whole of them)."""
-    inner = _dims(node.args[0], lq, lk, found, positional)
-    if inner in (None, _FREE):
-        return None
-    before, after = tensor_val(node.args[0]), tensor_val(node)
-    shift = after.dim() - before.dim()
-    dims = Dims(inner.q + shift, inner.kv + shift)
-    keeps = all(
-        statically_known_true(after.shape[d + shift] == before.shape[d])
-        for d in (inner.q, inner.kv)
-    )
-    return dims if keeps and (is_call(node, aten.expand.default) or whole_slice(node)) else None
+    def _through_lookup(self, node: Node) -> Dims | None:
+        """`embedding(table, index)` or `source[index]`: the index's dims, the table's
+        constant."""
+        if is_call(node, aten.embedding.default):
+            if arg(node, 3, "scale_grad_by_freq"):  # its counts are per score, not per diagonal
+                return None
+            table, looked_up = node.args[0], [node.args[1]]
+        else:
+            table, looked_up = node.args[:2]
+        if len(looked_up) != 1 or self.dims(table) is not _FREE:
+            return None
+        return self.dims(looked_up[0])
 
+    def _through_view(self, node: Node) -> Dims | None:
+        """A slice or expand that keeps the sizes of the position dims (a slice the whole of
+        them)."""
+        inner = self.dims(node.args[0])
+        if inner in (None, _FREE):
+            return None
+        before, after = tensor_val(node.args[0]), tensor_val(node)
+        shift = after.dim() - before.dim()
+        dims = Dims(inner.q + shift, inner.kv + shift)
+        keeps = all(
+            statically_known_true(after.shape[d + shift] == before.shape[d])
+            for d in (inner.q, inner.kv)
+        )
+        return dims if keeps and (is_call(node, aten.expand.default) or whole_slice(node)) else None
 
-def _operands_dims(node: Node, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """The position dims of a pointwise op's result, where its operands that hold positions
-    agree on them."""
-    rank, dims = tensor_val(node).dim(), None
-    for operand in [*node.args, *node.kwargs.values()]:
-        inner = _tentative_dims(operand, lq, lk, found, positional)
-        if inner is None and tensor_val(operand) is not None:
-            continue  # read no position by position: below, it must be constant along them
+    def _operands_dims(self, node: Node) -> Dims | None:
+        """The position dims of a pointwise op's result, where its operands that hold positions
+        agree on them."""
+        rank, dims = tensor_val(node).dim(), None
+        for operand in [*node.args, *node.kwargs.values()]:
+            inner = self._tentative_dims(operand)
+            if inner is None and tensor_val(operand) is not None:
+                continue  # read no position by position: below, it must be constant along them
+            if inner is None:
+                return None
+            operand_rank = tensor_val(operand).dim() if tensor_val(operand) is not None else 0
+            shift = rank - operand_rank
+            if inner is _FREE:
+                continue
+            mapped = Dims(inner.q + shift, inner.kv + shift)
+            if dims not in (None, mapped):
+                return None
+            dims = mapped
+        return dims
+
+    def _tentative_dims(self, node: object) -> Dims | None:
+        """`dims(node)`, leaving `found` as it was where that is None: an operand computed from
+        an `arange` of something else (ALiBi's slopes from the head numbers) is then judged by
+        its shape alone, and what its graph recorded on the way must not be run again per
+        diagonal."""
+        found = self.found
+        dims, differences = dict(found.dims), dict(found.differences)
+        inner = self.dims(node)
         if inner is None:
-            return None
-        operand_rank = tensor_val(operand).dim() if tensor_val(operand) is not None else 0
-        shift = rank - operand_rank
-        if inner is _FREE:
-            continue
-        mapped = Dims(inner.q + shift, inner.kv + shift)
-        if dims not in (None, mapped):
-            return None
-        dims = mapped
-    return dims
+            found.dims.clear()
+            found.dims.update(dims)
+            found.differences.clear()
+            found.differences.update(differences)
+        return inner
 
 
 def _constant_along(node: Node, dims: Dims, found: RelativeBias) -> bool:
@@ -192,20 +218,6 @@ def _constant_along(node: Node, dims: Dims, found: RelativeBias) -> bool:
             if d >= 0 and not statically_known_true(value.shape[d] == 1):
                 return False
     return True
-
-
-def _tentative_dims(node: object, lq, lk, found: RelativeBias, positional: dict) -> Dims | None:
-    """`_dims(node)`, leaving `found` as it was where that is None: an operand computed from an
-    `arange` of something else (ALiBi's slopes from the head numbers) is then judged by its
-    shape alone, and what its graph recorded on the way must not be run again per diagonal."""
-    dims, differences = dict(found.dims), dict(found.differences)
-    inner = _dims(node, lq, lk, found, positional)
-    if inner is None:
-        found.dims.clear()
-        found.dims.update(dims)
-        found.differences.clear()
-        found.differences.update(differences)
-    return inner
 
 
 def _sum(ctx: FuseContext, a: int | Node, b: int | Node) -> int | Node:
