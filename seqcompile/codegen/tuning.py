@@ -86,8 +86,12 @@ def launch(
         chosen = _MEMORY.get(remembered)
         if chosen is None and launches_traced():
             chosen = _recorded(spec, key, space, device) or space[0]
-        elif chosen is None:
-            chosen = _MEMORY[remembered] = _tuned(spec, key, space, run, device)
+        elif chosen is None:  # the tuning file's choice, or the fastest, timed now and added
+            chosen = _recorded(spec, key, space, device)
+            if chosen is None:
+                chosen = _fastest(_entry(spec, key), space, run)
+                add_entry(tuning_file(device), _entry(spec, key), _as_json(chosen))
+            _MEMORY[remembered] = chosen
     run(chosen)
     return chosen
 
@@ -100,16 +104,6 @@ def _hint(value: Any) -> Any:
 _MEMORY: dict[tuple[KernelSpec, tuple[Any, ...], torch.device, str], Config] = {}
 """The configuration chosen at each (kernel, key, device, cache folder setting) in this process:
 every launch after the first looks it up here before anything is hashed, named or read."""
-
-
-def _tuned(spec: KernelSpec, key, space: Sequence[Config], run, device: torch.device) -> Config:
-    """The configuration the tuning file holds for the kernel of `spec` at `key`, or the fastest
-    of `space`, timed now and added to the file."""
-    chosen = _recorded(spec, key, space, device)
-    if chosen is None:
-        chosen = _fastest(_entry(spec, key), space, run)
-        add_entry(tuning_file(device), _entry(spec, key), _as_json(chosen))
-    return chosen
 
 
 def _recorded(
