@@ -40,17 +40,17 @@ def test_the_train_step_runs_each_model_in_each_mode(tmp_path):
 def test_the_attention_benchmark_runs_the_backward_each_way(interpret):
     """The rows "seqfast(one launch)" and "seqfast(two launches)" (on CUDA) run the backward's
     kernels of that way, and leave the op's choice as it was."""
-    from benchmarks import attention as bench
+    from benchmarks import attention_executors as bench
+    from benchmarks.attention import forward_backward
+    from benchmarks.attention_cases import Case, make_inputs
     from seqcompile.codegen.launches import counting_launches
 
-    case = bench.Case(length=20, head_dim=16, batch=1, heads=2, causal=True, p=0.0, bias="none")
-    inputs = bench.make_inputs(case, torch.float32, torch.device("cpu"))
+    case = Case(length=20, head_dim=16, batch=1, heads=2, causal=True, p=0.0, bias="none")
+    inputs = make_inputs(case, torch.float32, torch.device("cpu"))
     choice = bench.attention_kernels.backward_variants
     for name, dq in (("seqfast(one launch)", 0), ("seqfast(two launches)", 1)):
         with counting_launches() as launches, bench.backward_forced(name):
-            bench.forward_backward(
-                functools.partial(bench.seqfast_attention, case=case), inputs, True
-            )
+            forward_backward(functools.partial(bench.seqfast_attention, case=case), inputs, True)
         assert launches.of("attention_bwd_dq") == dq, name
         assert launches.of("attention_bwd_dkdv:with_dq") == 1 - dq, name
     assert bench.attention_kernels.backward_variants is choice
