@@ -32,7 +32,7 @@ from benchmarks.common import (
     table,
     timed_ms,
 )
-from seqcompile.patterns.pointwise import region_of_function
+from seqcompile.patterns.pointwise_cut import region_of_function
 
 P = 0.1
 

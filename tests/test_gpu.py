@@ -395,7 +395,7 @@ def test_pointwise_kernels_match_the_reference(dtype):
     """bias + GELU + dropout and SwiGLU on a broadcast bias and a strided operand: forward and
     every gradient of the compiled kernels against the same region on CPU (the reference)."""
     from seqcompile.ops.pointwise.op import pointwise
-    from seqcompile.patterns.pointwise import region_of_function
+    from seqcompile.patterns.pointwise_cut import region_of_function
 
     def region(x, b, gate):
         return torch.nn.functional.dropout(

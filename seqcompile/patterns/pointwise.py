@@ -1,11 +1,12 @@
 """The pointwise region fuser, the fuse stage's last pass: every maximal connected region of
 supported element-wise ops of one shape becomes one `seqfast::pointwise` call whose kernels are
-generated from the region (see `ops/pointwise/`). A linear's bias feeding a region is moved into
-it, so the matmul runs without its epilogue. A region whose value is read outside it before its
-last op is computed ahead of that read, or split there where it reads a value made after the read.
-Unsupported element-wise ops next to a region are reported with the reason the region ends there.
-A pointwise user pattern's match becomes a region of its own, named after the pattern
-(`match_region`, called by the pattern as the fuse stage's engine runs it)."""
+generated from the region (its program made by `pointwise_cut.py`; see `ops/pointwise/`). A
+linear's bias feeding a region is moved into it, so the matmul runs without its epilogue. A region
+whose value is read outside it before its last op is computed ahead of that read, or split there
+where it reads a value made after the read. Unsupported element-wise ops next to a region are
+reported with the reason the region ends there. A pointwise user pattern's match becomes a region
+of its own, named after the pattern (`match_region`, called by the pattern as the fuse stage's
+engine runs it)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import dataclasses
 import functools
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
-from seqcompile.capture import trace_function
 from seqcompile.codegen.pointwise import Unprintable
 from seqcompile.fx.custom_function import apply_one
 from seqcompile.fx.nodes import (
@@ -27,7 +27,6 @@ from seqcompile.fx.nodes import (
     site_name,
     tensor_val,
 )
-from seqcompile.normalize import normalize_graph
 from seqcompile.ops import pointwise as pointwise_op
 from seqcompile.ops.fused_op import by_name
 from seqcompile.ops.pointwise import kernels as pointwise_kernels
@@ -41,34 +40,14 @@ from seqcompile.patterns.engine import (
     read_site,
     rewritten,
 )
-from seqcompile.patterns.pointwise_ops import element_wise, refusal, unsupported_ops
+from seqcompile.patterns.pointwise_cut import FOLDED_BIAS, Cut
+from seqcompile.patterns.pointwise_ops import element_wise, refusal
 from seqcompile.report import Missed
 
 aten = torch.ops.aten
 FAMILY = pointwise_op.ENTRY.family
-_FOLDED_BIAS = "seqfast_folded_bias"
-"""Node meta key on the add a linear's bias was moved into."""
-
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.clone.default)
 _FUNCTION = "custom autograd.Function"
-
-
-def region_of_function(fn, example_inputs) -> regions.Region:
-    """All of `fn`'s ops as one region: inputs are `fn`'s tensor arguments in order and outputs
-    its returned tensors (used to test the operator on its own)."""
-    gm = trace_function(fn, example_inputs, "the region function")
-    normalize_graph(
-        gm, next(tensor_val(n) for n in gm.graph.nodes if n.op == "placeholder").fake_mode
-    )
-    unsupported = unsupported_ops(gm)
-    if unsupported:
-        raise ValueError(f"not pointwise: {', '.join(unsupported)}")
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    returned = output.args[0]
-    outputs = list(returned) if isinstance(returned, list | tuple) else [returned]
-    return Cut(nodes, inputs, outputs).register()
 
 
 @dataclasses.dataclass
@@ -178,7 +157,7 @@ def _fold_bias(linear: Node, ok: dict[Node, bool], ctx: FuseContext) -> Node:
         bare = ctx.call(aten.linear.default, linear.args[0], linear.args[1])
     with ctx.gm.graph.inserting_after(bare):
         added = ctx.call(aten.add.Tensor, bare, arg(linear, 2, "bias"))
-    added.meta[_FOLDED_BIAS] = True
+    added.meta[FOLDED_BIAS] = True
     linear.replace_all_uses_with(added)
     ctx.gm.graph.erase_node(linear)
     ok[added] = True
@@ -292,54 +271,6 @@ def _borders(
     return borders
 
 
-@dataclasses.dataclass(frozen=True)
-class Cut:
-    """A region cut out of a graph: its nodes in graph order, the values it reads from outside,
-    and the values read outside it."""
-
-    nodes: list[Node]
-    inputs: list[Node]
-    outputs: list[Node]
-    name: str | None = None
-    """The user pattern the cut is a match of: it starts the region key, so its kernels carry it."""
-
-    @classmethod
-    def of(cls, nodes: list[Node], name: str | None = None) -> Cut:
-        members = set(nodes)
-        inputs: list[Node] = []
-        for n in nodes:
-            inputs += [i for i in n.all_input_nodes if i not in members and i not in inputs]
-        outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        return cls(nodes, inputs, outputs, name)
-
-    @property
-    def dropouts(self) -> list[Node]:
-        return [n for n in self.nodes if n.target is aten.dropout.default]
-
-    def register(self) -> regions.Region:
-        """The region's program (dropout as a keep-mask input), traced and registered."""
-        program = Graph()
-        env = {i: program.placeholder(f"in{k}") for k, i in enumerate(self.inputs)}
-        masks = [program.placeholder(f"keep{k}") for k in range(len(self.dropouts))]
-        for n in self.nodes:
-            if n.target is aten.dropout.default:
-                scale = 1.0 / (1.0 - float(arg(n, 1, "p")))
-                scaled = program.call_function(aten.mul.Tensor, (env[n.args[0]], scale))
-                keep = masks[self.dropouts.index(n)]
-                env[n] = program.call_function(aten.where.ScalarOther, (keep, scaled, 0.0))
-            else:
-                env[n] = program.node_copy(n, lambda a: env[a])
-        program.output([env[o] for o in self.outputs])
-        members = set(self.nodes)
-        values = [tensor_val(i) for i in self.inputs]
-        weak = [
-            v.dim() == 0 or _is_folded_bias(i, members)
-            for i, v in zip(self.inputs, values, strict=True)
-        ]
-        drop_p = [float(arg(d, 1, "p")) for d in self.dropouts]
-        return regions.register(program, [v.dtype for v in values], weak, drop_p, self.name)
-
-
 def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rewrite | Reject:
     """The rewrite that swaps `nodes` (a part `_placeable_parts` gives; a user pattern's match
     when `name` is given) for one fused call, placed after the last of them or, where a value of
@@ -396,9 +327,3 @@ def _fusion(ctx: FuseContext, nodes: list[Node], name: str | None = None) -> Rew
         return call
 
     return swap
-
-
-def _is_folded_bias(node: Node, members: set[Node]) -> bool:
-    """A linear's bias moved into the region: eager's linear casts it to the matmul's dtype, so it
-    takes part in type promotion as a weak operand."""
-    return any(u in members and u.meta.get(_FOLDED_BIAS) and u.args[1] is node for u in node.users)

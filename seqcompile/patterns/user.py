@@ -6,14 +6,12 @@ after the pattern. Patterns are traced to pre-dispatch ATen and normalized like 
 `x / 2` in a pattern still matches `x * 0.5`); a scalar example input is a literal wildcard. A
 trace holds the sizes it was made at, so candidates are found with any number where it holds one
 (and by a second trace at symbolic sizes where the pattern reads a size), then checked again, and
-the replacement traced, at the match's own inputs."""
+the replacement traced, at the match's own inputs (both in `user_matcher.py`)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,8 +20,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.fx.passes.utils.fuser_utils import validate_partition
-from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
+from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from seqcompile.capture import trace_function
 from seqcompile.fx.nodes import (
@@ -45,6 +42,7 @@ from seqcompile.patterns.user_literals import (
     placeholders,
     traced_pattern,
 )
+from seqcompile.patterns.user_matcher import Matcher, number, same_match, tensor_inputs
 
 log = logging.getLogger("seqcompile")
 
@@ -59,7 +57,7 @@ class UserPattern:
     replacement_fn: Callable[..., Any] | None
     """Traced again for every match, at its inputs; None: each match becomes a pointwise region
     of its own, with generated kernels."""
-    matchers: tuple[_Matcher, ...]
+    matchers: tuple[Matcher, ...]
     """Find the candidates: `pattern_fn` traced at the example inputs and normalized, with each
     literal parameter's placeholder where its value was, and again at symbolic sizes where that
     trace reads a size (a dynamic graph divides by a size where a static one multiplies by a
@@ -87,8 +85,8 @@ class UserPattern:
         if isinstance(traced, str):
             return Reject("pattern_fn of {!r} {}", self.name, traced)
         normalize_graph(traced, ctx.fake_mode)
-        if not _same_match(_Matcher(traced.graph, exact=True).match_at(node), match):
-            if not _same_match(self.matchers[0].exactly().match_at(node), match):
+        if not same_match(Matcher(traced.graph, exact=True).match_at(node), match):
+            if not same_match(self.matchers[0].exactly().match_at(node), match):
                 return None  # other literals than the pattern's: another computation
             return Reject(
                 "matches {!r} as traced at the example inputs ({}) but not as traced at this"
@@ -126,7 +124,7 @@ class UserPattern:
             return Reject(USED_EARLY)
         return functools.partial(_inline, replacement.graph, match, nodes, where)
 
-    def _candidate(self, node: Node) -> tuple[_Matcher, InternalMatch] | None:
+    def _candidate(self, node: Node) -> tuple[Matcher, InternalMatch] | None:
         """The first matcher's match whose last node is `node`, with a literal for each literal
         parameter and a tensor for each tensor one."""
         for matcher in self.matchers:
@@ -206,7 +204,7 @@ def register_pattern(
         pattern_fn,
         replacement_fn,
         tuple(
-            _Matcher(trace.graph)
+            Matcher(trace.graph)
             for trace in (pattern, *_read_sizes(name, pattern_fn, example_inputs))
         ),
         tuple(isinstance(v, LITERAL) for v in example_inputs),
@@ -224,7 +222,7 @@ def _read_sizes(
     traced so (then only graphs holding the sizes as literals match)."""
     try:
         traced = traced_pattern(pattern_fn, example_inputs, f"pattern_fn of {name!r}", True)
-        if all(_number(n) is None for n in calls(traced.graph)):
+        if all(number(n) is None for n in calls(traced.graph)):
             return []
         make_wildcards(name, pattern_fn, example_inputs, traced, symbolic=True)
     except ValueError as error:
@@ -247,119 +245,6 @@ def apply_user_patterns(ctx: FuseContext) -> None:
     run_patterns(registered_patterns(), ctx)
 
 
-class _Matcher(SubgraphMatcher):
-    """Matches a pattern backwards from one node, as Inductor's patterns match from their anchor,
-    rather than over a whole graph: the engine asks about every node in turn, in the graph as the
-    rewrites before left it. A placeholder where a literal was in the example trace takes the
-    literal it meets. The pattern's other literals, and the sizes its trace computes, match any
-    number of their type that the graph holds or computes there, unless `exact`: then they must be
-    equal (the check of a candidate, with the pattern traced at its inputs)."""
-
-    def __init__(self, pattern: Graph, exact: bool = False) -> None:
-        super().__init__(pattern, remove_overlapping_matches=False)
-        self.exact = exact
-
-    def exactly(self) -> _Matcher:
-        """This pattern's matcher whose literals must be equal."""
-        return _Matcher(self.pattern, exact=True)
-
-    def _match_nodes(
-        self, pn: Node, gn: Node, match: InternalMatch, node_name_match: str = ""
-    ) -> bool:
-        if pn.op == "placeholder" or _number(pn) is None:
-            return super()._match_nodes(pn, gn, match, node_name_match)
-        return self._same_number(pn, gn)  # a size the pattern reads off its inputs
-
-    def _match_literals(self, pn: Any, gn: Any, match: InternalMatch) -> bool:
-        if super()._match_literals(pn, gn, match):
-            return True
-        placeholder = isinstance(pn, Node) and pn.op == "placeholder"
-        return not placeholder and self._same_number(pn, gn)
-
-    def _same_number(self, pn: Any, gn: Any) -> bool:
-        """A literal of the pattern, or a size its trace computes, against the graph's: numbers of
-        one type, equal where `exact`."""
-        a, b = _number(pn), _number(gn)
-        if a is None or b is None or _kind(a) is not _kind(b):
-            return False
-        return not self.exact or statically_known_true(a == b)
-
-    def match_at(self, node: Node) -> InternalMatch | None:
-        """The match whose last node in graph order is `node` (the pattern's other outputs are
-        looked for before it), or None."""
-        for anchor in self.pattern_anchors:
-            match = InternalMatch(self.pattern_anchors)
-            if not self._match_nodes(anchor, node, match):
-                continue
-            others = [a for a in self.pattern_anchors if a is not anchor]
-            found = self._with_outputs(match, others, node)
-            if found is not None and self._holds(found):
-                placeholders, outputs = self.pattern_placeholder_nodes, self.pattern_returning_nodes
-                found.placeholder_nodes = [found.nodes_map.get(p) for p in placeholders]
-                found.returning_nodes = [found.nodes_map[p] for p in outputs]
-                return found
-        return None
-
-    def computing(self, match: InternalMatch) -> list[Node]:
-        """The matched nodes but the inputs and the sizes they read, in the pattern's order
-        (producers first)."""
-        return [match.nodes_map[p] for p in calls(self.pattern) if p in match.nodes_map]
-
-    def _with_outputs(
-        self, match: InternalMatch, outputs: list[Node], last: Node
-    ) -> InternalMatch | None:
-        """`match` with the pattern's `outputs` matched too, at nodes before `last` (trying every
-        choice)."""
-        if not outputs:
-            return match
-        for candidate in itertools.takewhile(lambda n: n is not last, last.graph.nodes):
-            if not self._nodes_are_equal(outputs[0], candidate):
-                continue
-            trial = copy.copy(match)
-            if self._match_nodes(outputs[0], candidate, trial):
-                found = self._with_outputs(trial, outputs[1:], last)
-                if found is not None:
-                    return found
-        return None
-
-    def _holds(self, match: InternalMatch) -> bool:
-        """Nothing outside the match reads its nodes but its outputs, and fusing the match makes no
-        cycle (which only several outputs can)."""
-        return self._is_contained(match.nodes_map) and (
-            len(self.pattern_anchors) == 1 or validate_partition(self.computing(match))
-        )
-
-
-_SYMBOLIC = {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}
-
-
-def _number(value: Any) -> Any:
-    """The number a literal is, or that a graph node computes (a size, symbolic in a dynamic
-    graph); None for anything else."""
-    if isinstance(value, Node):
-        value = value.meta.get("val")
-        return value if type(value) in _SYMBOLIC else None
-    return value if type(value) in (bool, int, float) else None
-
-
-def _kind(number: Any) -> type:
-    return _SYMBOLIC.get(type(number), type(number))
-
-
-def _same_match(again: InternalMatch | None, match: InternalMatch) -> bool:
-    """`again` (the pattern traced at `match`'s inputs) matches the same nodes, reading the same
-    tensors."""
-    return (
-        again is not None
-        and _matched_nodes(again) == _matched_nodes(match)
-        and _tensor_inputs(again) == _tensor_inputs(match)
-    )
-
-
-def _tensor_inputs(match: InternalMatch) -> list[Node]:
-    return [n for n in match.placeholder_nodes if isinstance(n, Node)]
-
-
 def _insertion_point(match: InternalMatch, nodes: list[Node], last: Node) -> Node | None:
     """What a replacement of `match` (its computing `nodes`, `last` the last) goes in before:
     `last`, or the first node outside the match that reads an output of it where that comes
@@ -370,7 +255,7 @@ def _insertion_point(match: InternalMatch, nodes: list[Node], last: Node) -> Nod
     members = set(nodes)
     readers = [u for o in match.returning_nodes for u in o.users if u not in members]
     first = min([*readers, last], key=order.__getitem__)
-    return first if all(order[i] < order[first] for i in _tensor_inputs(match)) else None
+    return first if all(order[i] < order[first] for i in tensor_inputs(match)) else None
 
 
 def _inline(
@@ -400,14 +285,6 @@ def _trace_at(fn: Callable[..., Any], inputs: list[Any], fake_mode: Any) -> Grap
             return make_fx(lambda *args: fn(*args), pre_dispatch=True)(*inputs)
     except Exception as error:
         return f"could not be traced at this site's inputs ({_describe(inputs)}): {error}"
-
-
-def _matched_nodes(match: InternalMatch) -> frozenset[Node]:
-    return frozenset(
-        node
-        for pattern_node, node in match.nodes_map.items()
-        if pattern_node.op not in ("placeholder", "output")
-    )
 
 
 def _outputs(graph: Graph) -> list[Any]:

@@ -277,7 +277,7 @@ POINTWISE = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from seqcompile.ops.pointwise import kernels as pointwise
-    from seqcompile.patterns.pointwise import region_of_function
+    from seqcompile.patterns.pointwise_cut import region_of_function
 
     def compile_pointwise(spec, pointers):
         fn = kernel_function(spec).jit

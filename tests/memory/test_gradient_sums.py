@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from seqcompile.memory.gradient_sums import fold_gradient_sums
 from seqcompile.ops.fused_op import Call
 from seqcompile.ops.pointwise import region as regions
-from seqcompile.patterns.pointwise import region_of_function
+from seqcompile.patterns.pointwise_cut import region_of_function
 
 SHAPE = (3, 5)
 SEED = torch.tensor(1234, dtype=torch.int64)

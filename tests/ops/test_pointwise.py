@@ -12,7 +12,7 @@ from conftest import TOLERANCES
 from seqcompile.ops.pointwise import region as regions
 from seqcompile.ops.pointwise.kernels import compile_time_specs  # (also registers the op)
 from seqcompile.ops.random import keep_mask
-from seqcompile.patterns.pointwise import region_of_function
+from seqcompile.patterns.pointwise_cut import region_of_function
 
 pytestmark = pytest.mark.kernels("pointwise:forward", "pointwise:backward")
 

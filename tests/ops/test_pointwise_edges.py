@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from seqcompile.capture import trace_function
-from seqcompile.patterns.pointwise import region_of_function
+from seqcompile.patterns.pointwise_cut import region_of_function
 from seqcompile.patterns.pointwise_ops import refusal
 from tests.ops.test_pointwise_ops import constant_arguments, element_wise_ops
 

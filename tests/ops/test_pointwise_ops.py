@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from seqcompile.patterns.pointwise import region_of_function
+from seqcompile.patterns.pointwise_cut import region_of_function
 from seqcompile.patterns.pointwise_ops import element_wise
 from tests.ops.test_pointwise import check, run
 

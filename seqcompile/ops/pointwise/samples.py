@@ -40,7 +40,7 @@ def _eager(fn: Callable) -> Callable[..., Sequence[Tensor]]:
 @functools.cache
 def _region(fn_name: str) -> str:
     """The key of the region `fn_name` makes (float32 inputs; its program fits every shape)."""
-    from seqcompile.patterns.pointwise import region_of_function  # (patterns import ops)
+    from seqcompile.patterns.pointwise_cut import region_of_function  # (patterns import ops)
 
     fn, bias = FUNCTIONS[fn_name]
     example = [torch.ones(2, 3), torch.ones(3) if bias else torch.ones(2, 3)]
