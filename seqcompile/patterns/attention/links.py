@@ -16,7 +16,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from seqcompile.fx.nodes import RESHAPES, arg, describe, is_call, tensor_val
 from seqcompile.ops.attention.layout import broadcasts_to
 from seqcompile.patterns.attention.claims import FillClaim, read_as_is
-from seqcompile.patterns.attention.index_masks import WHERE, every_row_keeps, whole_slice
+from seqcompile.patterns.attention.index_arithmetic import whole_slice
+from seqcompile.patterns.attention.index_masks import every_row_keeps
+from seqcompile.patterns.attention.mask_factors import WHERE
 from seqcompile.patterns.attention.masks import (
     CASTS,
     constant,

@@ -1,7 +1,8 @@
 """What a mask's factors are read as, by positions: a linear function of the query and key
 positions, a half-plane of the scores (causal, a sliding window, any band's edge), a prefix LM's
 keys seen by every query, and packed documents' ids. Plain values: the readers that make them are
-in `index_masks.py`, the claims that check them in `claims.py`."""
+in `index_arithmetic.py` (`Linear`) and `index_masks.py`, the claims that check them in
+`claims.py`."""
 
 from __future__ import annotations
 

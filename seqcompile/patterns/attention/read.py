@@ -7,14 +7,14 @@ the scores' chain back to `q @ k^T`, where each link is a scale (multiply or div
 an additive float bias, a boolean mask (`masked_fill`, `where` with a constant), an element-wise
 modification with constants, or a cast; straight on the product, a factor that is a tensor
 constant along the keys or the queries (a learned temperature), which q or k takes instead; on
-the matmul's operands, a constant scale on q or k. Masks are split into factors, and those the
-kernel computes from positions (causal, a window, a prefix, from comparisons of `arange`s or
-`tril`/`triu` of ones; document ids) are not read at all (`index_masks.py`); a bias by key -
-query is read per diagonal (`relative_bias.py`). `bmm`, `baddbmm` and `einsum` arrive here as
-`matmul` (see normalize.py). Reshapes that split or merge batch dimensions on either side of the
-softmax (heads flattened into the batch for `bmm`, split back out for a (B, 1, Lq, Lk) mask) are
-followed too: the fused op works in the softmax's batch dimensions, and q, k, v, the output and
-each bias or mask are reshaped into them.
+the matmul's operands, a constant scale on q or k. Masks are split into factors
+(`mask_factors.py`), and those the kernel computes from positions (causal, a window, a prefix,
+from comparisons of `arange`s or `tril`/`triu` of ones; document ids) are not read at all
+(`index_masks.py`); a bias by key - query is read per diagonal (`relative_bias.py`). `bmm`,
+`baddbmm` and `einsum` arrive here as `matmul` (see normalize.py). Reshapes that split or merge
+batch dimensions on either side of the softmax (heads flattened into the batch for `bmm`, split
+back out for a (B, 1, Lq, Lk) mask) are followed too: the fused op works in the softmax's batch
+dimensions, and q, k, v, the output and each bias or mask are reshaped into them.
 """
 
 from __future__ import annotations

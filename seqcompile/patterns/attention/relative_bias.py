@@ -5,12 +5,13 @@ so the fused op reads one value per diagonal, (..., 1, Lq + Lk - 1), made by run
 graph on the diagonals' offsets (an `arange` of Lq + Lk - 1) in place of the (Lq, Lk) matrix of
 differences. Autograd carries its gradient on to the table or the slopes as before.
 
-A bias is read so where it depends on positions only through differences of key and query positions
-(`index_masks.linear`), and every op from there to the bias acts position by position: pointwise
-ops, `embedding` (without `scale_grad_by_freq`) or indexing with the differences as the index, and
-permutes, transposes, size-1 views and broadcasts that keep the two position dims; their other
-operands are constant along those dims (judged by shape, whatever they are computed from: ALiBi's
-slopes from an `arange` over the heads). Anything else keeps the bias tensor.
+A bias is read so where it depends on positions only through differences of key and query
+positions (`index_arithmetic.linear`), and every op from there to the bias acts position by
+position: pointwise ops, `embedding` (without `scale_grad_by_freq`) or indexing with the
+differences as the index, and permutes, transposes, size-1 views and broadcasts that keep the two
+position dims; their other operands are constant along those dims (judged by shape, whatever they
+are computed from: ALiBi's slopes from an `arange` over the heads). Anything else keeps the bias
+tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from seqcompile.fx.nodes import arg, is_call, node_order, tensor_val
 from seqcompile.patterns.attention.claims import RelativeClaim
-from seqcompile.patterns.attention.index_masks import linear, whole_slice
+from seqcompile.patterns.attention.index_arithmetic import linear, whole_slice
 from seqcompile.patterns.engine import FuseContext
 
 aten = torch.ops.aten
