@@ -5,10 +5,8 @@ from __future__ import annotations
 from seqcompile.ops import registry
 from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import Pattern
-from seqcompile.patterns.loss import LossPattern
-from seqcompile.patterns.loss_like import LossLikePattern
+from seqcompile.patterns.loss import LossLikePattern, LossPattern, RowLossPattern
 from seqcompile.patterns.norm import NormPattern
-from seqcompile.patterns.row_loss import RowLossPattern
 
 FAMILIES = registry.FAMILIES
 """Report keys of the built-in families (those the registry's entries name); user patterns may

@@ -21,9 +21,9 @@ from seqcompile.patterns import pointwise
 from seqcompile.patterns.attention import AttentionPattern
 from seqcompile.patterns.engine import FuseContext, Refused, Reject, rewritten
 from seqcompile.patterns.loss import LossPattern
-from seqcompile.patterns.loss_like import LossLikePattern
+from seqcompile.patterns.loss.loss_like import LossLikePattern
+from seqcompile.patterns.loss.row_loss import RowLossPattern
 from seqcompile.patterns.norm import NormPattern
-from seqcompile.patterns.row_loss import RowLossPattern
 from seqcompile.patterns.user import UserPattern
 from seqcompile.report import CompileReport
 

@@ -14,8 +14,8 @@ from torch import nn
 from seqcompile.memory.live_bytes import measure_step
 from seqcompile.memory.saved import saved_bytes
 from seqcompile.ops.linear_row_loss import samples as losses
-from seqcompile.patterns.row_loss import program_of_function
-from seqcompile.patterns.row_loss_split import NotRowWise
+from seqcompile.patterns.loss.row_loss import program_of_function
+from seqcompile.patterns.loss.row_ops import NotRowWise
 from seqcompile.report import collecting
 
 VOCAB, WIDTH, BATCH, LENGTH = 53, 16, 2, 5

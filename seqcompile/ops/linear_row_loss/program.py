@@ -1,7 +1,7 @@
 """The program of a chunked row-wise loss, and a process-wide registry that
 `seqfast::linear_row_loss` looks programs up in by key.
 
-A loss read as row math plus an affine function of sums over the rows (`patterns/row_loss_split`)
+A loss read as row math plus an affine function of sums over the rows (`patterns/loss/row_split.py`)
 comes here as two graphs: `rows` (a chunk of logits and the chunk's rows of the other inputs ->
 the chunk's sums, the *terms*) and `post` (the terms -> the loss). From them this module traces,
 into plain ATen graphs:

@@ -98,7 +98,7 @@ def _eager(program_key: str):
 def _sample(
     name: str, fn_name: str, g, rows: int = ROWS, classes: int = CLASSES, chunk: int = 3, edit=None
 ) -> Sample:
-    from seqcompile.patterns.row_loss import program_of_function  # (patterns import ops)
+    from seqcompile.patterns.loss.row_loss import program_of_function  # (patterns import ops)
 
     fn = FUNCTIONS[fn_name]
     hidden, weight = randn(g, rows, FEATURES), randn(g, classes, FEATURES, scale=0.5)

@@ -4,12 +4,13 @@ soft-capped or masked logits, KL or JSD against a teacher's logits, class weight
 loss summed by hand), the linear and the loss become `seqfast::linear_row_loss`, and the logits are
 never built whole.
 
-The site is anchored at the linear. Its *region* is every node computed from its output; it must
-end in one scalar, the loss, that nothing else in the region reads. The region is traced to core
-ATen and read by `row_loss_split`, whose refusal names the op that stops it; the loss's joint
-(chunk terms and their gradient) is traced from what it reads (`ops/linear_row_loss/program.py`).
-Where the region holds a plain cross-entropy of the logits (scaled after it or not, as with the
-Trainer's `num_items_in_batch`), `seqfast::linear_cross_entropy` (with its kernel) takes it.
+The site is anchored at the linear. Its *region* (`region.py`) is every node computed from its
+output; it must end in one scalar, the loss, that nothing else in the region reads. The region is
+traced to core ATen and read by `row_split.py`, whose refusal names the op that stops it; the
+loss's joint (chunk terms and their gradient) is traced from what it reads
+(`ops/linear_row_loss/program.py`). Where the region holds a plain cross-entropy of the logits
+(scaled after it or not, as with the Trainer's `num_items_in_batch`),
+`seqfast::linear_cross_entropy` (with its kernel) takes it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
 from seqcompile.fx.nodes import (
-    RESHAPES,
     concrete,
     erase_unused,
-    grad_enabled_at,
     has_symbols,
     in_own_thread,
     insert_getitem,
@@ -39,81 +38,15 @@ from seqcompile.fx.nodes import (
 )
 from seqcompile.ops.linear_row_loss import op as linear_row_loss
 from seqcompile.ops.linear_row_loss import program as row_loss
-from seqcompile.patterns import loss as loss_family
 from seqcompile.patterns.engine import FuseContext, Reject, Rewrite
-from seqcompile.patterns.pointwise_ops import element_wise
-from seqcompile.patterns.row_loss_split import NotRowWise, Split, split
+from seqcompile.patterns.loss.linear import Linear, joins_linear, linear_at, only_autocast_between
+from seqcompile.patterns.loss.pattern import FAMILY
+from seqcompile.patterns.loss.read import eager_raises
+from seqcompile.patterns.loss.region import Gradients, outside_values, pulled, region_to_loss
+from seqcompile.patterns.loss.row_ops import NotRowWise
+from seqcompile.patterns.loss.row_split import Split, split
 
 aten = torch.ops.aten
-_MAX_REGION = 256
-"""Nodes past which a linear's region is taken for the rest of a model, not a loss."""
-PULLABLE = frozenset(
-    [*RESHAPES, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-     aten._log_softmax.default, aten.transpose.int, aten.permute.default, aten.t.default,
-     aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default]
-)  # fmt: skip
-"""Ops (beyond element-wise ones) pulled into the region with the values the loss reads."""
-_NOT_LOSS = frozenset(
-    [aten.mm.default, aten.bmm.default, aten.addmm.default, aten.linear.default,
-     aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
-     aten.scaled_dot_product_attention.default, aten.embedding.default]
-)  # fmt: skip
-"""Ops that mark a linear's region as more of the model (a loss reads its logits row by row)."""
-
-
-def region_to_loss(start: Node) -> tuple[list[Node], Node] | None:
-    """Every node computed from `start`, in graph order, and the one the graph returns (the loss);
-    None where they are not a loss over `start` (too many, a matmul, not one scalar out)."""
-    region, frontier = {start}, [start]
-    while frontier:
-        for user in frontier.pop().users:
-            if user in region or user.op == "output":
-                continue
-            if user.op != "call_function" or is_call(user, *_NOT_LOSS):
-                return None
-            if len(region) >= _MAX_REGION:
-                return None
-            region.add(user)
-            frontier.append(user)
-    sinks = [n for n in region if any(u.op == "output" for u in n.users)]
-    if len(sinks) != 1 or sinks[0] is start:
-        return None
-    out = tensor_val(sinks[0])
-    if out is None or not out.is_floating_point() or out.numel() != 1:
-        return None
-    nodes = [n for n in start.graph.nodes if n in region and n is not start]
-    return nodes, sinks[0]
-
-
-def _pulled(nodes: list[Node], start: Node, gradients: _Gradients) -> list[Node]:
-    """`nodes` with what computes the values they read only for them, up to a linear, and
-    carries no gradient: row math on a teacher's logits, and the teacher's head itself, then
-    run a chunk at a time too (or, where not row-wise, before the op, as it ran before)."""
-    region = {start, *nodes}
-    frontier = _externals(nodes, start)
-    while frontier:
-        node = frontier.pop()
-        if node in region or node.op != "call_function" or node.is_impure():
-            continue
-        if gradients.carries[node]:
-            continue
-        if not all(u in region for u in node.users):
-            continue
-        linear = loss_family.linear_at(node) is not None
-        if not (linear or is_call(node, *PULLABLE) or element_wise(node.target)):
-            continue
-        region.add(node)
-        if not linear:
-            frontier.extend(node.all_input_nodes)
-        elif is_call(node, aten.matmul.default):
-            region.add(node.args[1])  # (the transpose of the weight)
-    return [n for n in start.graph.nodes if n in region and n is not start]
-
-
-def _externals(nodes: list[Node], start: Node) -> list[Node]:
-    """The values the region reads that it does not compute, in order of first reading."""
-    inside = {start, *nodes}
-    return list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
 
 
 def _region_module(
@@ -181,17 +114,17 @@ def _core_aten(fn: Callable, examples: Sequence[torch.Tensor]) -> GraphModule:
 
 
 def _why_not(
-    linear: loss_family.Linear,
+    linear: Linear,
     nodes: list[Node],
     externals: list[Node],
     loss: Node,
-    gradients: _Gradients,
+    gradients: Gradients,
 ) -> str | None:
     """Why the region cannot be chunked before it is read (None: it may be)."""
-    raising = next(filter(None, map(loss_family.eager_raises, nodes)), None)
+    raising = next(filter(None, map(eager_raises, nodes)), None)
     if raising is not None:
         return raising
-    if not loss_family.only_autocast_between(linear.node, loss):
+    if not only_autocast_between(linear.node, loss):
         return "grad mode or an in-place op changes between the linear and the loss"
     if any(tensor_val(e) is None for e in externals):
         names = ", ".join(e.name for e in externals if tensor_val(e) is None)
@@ -207,40 +140,6 @@ def _why_not(
             " not compute"
         )
     return None
-
-
-class _Gradients:
-    """Which values of a graph carry a gradient: computed from inputs that require grad, with
-    grad mode on and no `detach` on the way (a teacher's head under no_grad, or over detached
-    values, carries none). One pass over the graph, in order."""
-
-    def __init__(self, ctx: FuseContext) -> None:
-        self.modes: dict[Node, bool] = {}
-        self.carries: dict[Node, bool] = {}
-        mode = None
-        for node in ctx.gm.graph.nodes:
-            mode = grad_enabled_at(node) if mode is None else mode
-            if is_call(node, torch._C._set_grad_enabled):
-                mode = bool(node.args[0])
-            self.modes[node] = mode
-            if node.op == "placeholder":
-                self.carries[node] = ctx.training and node in ctx.grad_inputs
-            else:
-                self.carries[node] = (
-                    mode
-                    and not is_call(node, aten.detach.default)
-                    and any(self.carries.get(a, False) for a in node.all_input_nodes)
-                )
-
-    def needed(self, nodes: list[Node], externals: list[Node]) -> list[Node]:
-        """The values the region reads that need a gradient through it: they carry one, and a
-        region node reads them with grad mode on."""
-        inside = set(nodes)
-        return [
-            e
-            for e in externals
-            if self.carries[e] and any(self.modes[u] for u in e.users if u in inside)
-        ]
 
 
 def _inline(ctx: FuseContext, prepare: GraphModule, externals: Sequence[Node]) -> list[Node]:
@@ -337,19 +236,19 @@ def _erase_dead(nodes: list[Node]) -> None:
 
 
 class RowLossPattern:
-    family = loss_family.FAMILY
+    family = FAMILY
 
     def find(self, node: Node, ctx: FuseContext) -> Rewrite | Reject | None:
-        linear = loss_family.linear_at(node)
+        linear = linear_at(node)
         found = region_to_loss(node) if linear is not None else None
         if found is None:
             return None
         nodes, loss = found
-        if any(loss_family.joins_linear(n) for n in nodes):
+        if any(joins_linear(n) for n in nodes):
             return None  # linear_cross_entropy's, with its kernel (scaled after it or not)
-        gradients = _Gradients(ctx)
-        nodes = _pulled(nodes, node, gradients)
-        externals = _externals(nodes, node)
+        gradients = Gradients(ctx)
+        nodes = pulled(nodes, node, gradients)
+        externals = outside_values(nodes, node)
         if not gradients.carries[node] and gradients.needed(nodes, externals):
             return None  # a teacher's head: the learning head's loss chunks it
         why = _why_not(linear, nodes, externals, loss, gradients)

@@ -4,7 +4,7 @@ Two kinds of node mark such a loss, once the other patterns have taken what they
 - an ATen loss op other than cross-entropy (`kl_div`, `mse_loss`, `binary_cross_entropy`, the
   margin losses, ...: read from the op's name);
 - log-probabilities (`log_softmax`, `logsumexp`, `log` of a `softmax`) that reach the scalar the
-  graph returns through row math and sums only (`row_loss.region_to_loss`): a z-loss, an entropy
+  graph returns through row math and sums only (`region.region_to_loss`): a z-loss, an entropy
   term, a divergence written out.
 Each is answered with a `Reject` that names what it computes. Where the row-wise loss already
 said why the linear before it is not chunked, that line speaks for the site.
@@ -16,10 +16,11 @@ import torch
 from torch.fx import Node
 
 from seqcompile.fx.nodes import is_call
-from seqcompile.patterns import loss as loss_family
 from seqcompile.patterns.engine import FuseContext, Reject
+from seqcompile.patterns.loss.linear import linear_at
+from seqcompile.patterns.loss.pattern import FAMILY, said_at
+from seqcompile.patterns.loss.region import PULLABLE, region_to_loss
 from seqcompile.patterns.pointwise_ops import element_wise
-from seqcompile.patterns.row_loss import PULLABLE, region_to_loss
 
 aten = torch.ops.aten
 _LOG_PROBABILITIES = (aten.log_softmax.int, aten._log_softmax.default, aten.logsumexp.default)
@@ -81,8 +82,8 @@ def _said_above(node: Node, ctx: FuseContext) -> bool:
             if operand in seen or operand.op != "call_function":
                 continue
             seen.add(operand)
-            if loss_family.linear_at(operand) is not None:
-                if loss_family.said_at(ctx, operand):
+            if linear_at(operand) is not None:
+                if said_at(ctx, operand):
                     return True
             elif _row_wise(operand):
                 frontier.append(operand)
@@ -95,7 +96,7 @@ def _op_name(node: Node) -> str:
 
 
 class LossLikePattern:
-    family = loss_family.FAMILY
+    family = FAMILY
 
     def find(self, node: Node, ctx: FuseContext) -> Reject | None:
         op = _loss_op(node)
