@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from seqcompile.settings import FALSE_WORDS, TRUE_WORDS, OptionError
+from seqcompile.run.settings import FALSE_WORDS, TRUE_WORDS, OptionError
 
 REST_CHOICES = ("inductor", "eager")
 PARTITION_CHOICES = ("auto", "min_cut", "default")

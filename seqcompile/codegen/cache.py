@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from seqcompile.settings import OptionError
+from seqcompile.run.settings import OptionError
 
 _lock = threading.Lock()
 _modules: dict[Path, tuple[str, ModuleType]] = {}

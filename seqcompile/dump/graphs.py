@@ -26,7 +26,7 @@ from seqcompile.report import CompileReport, KernelUse
 
 @dataclasses.dataclass
 class GraphDump:
-    """One compiled graph's folder in the dump, `<run folder>/<name>` (see `dump_folder.py`), and
+    """One compiled graph's folder in the dump, `<run folder>/<name>` (see `folder.py`), and
     what the backend writes there; with no `dump_dir`, nothing."""
 
     dump_dir: str | None

@@ -32,7 +32,7 @@ from seqcompile.ops.random import SEED_HIGH
 from seqcompile.ops.registry import entries_of, entry_of
 from seqcompile.options import Options
 from seqcompile.report import CompileReport, Missed
-from seqcompile.settings import switch_on
+from seqcompile.run.settings import switch_on
 
 aten = torch.ops.aten
 log = logging.getLogger("seqcompile")

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from seqcompile.settings import switch_on
+from seqcompile.run.settings import switch_on
 
 
 def interpreting() -> bool:
