@@ -1,6 +1,7 @@
 """The report as data: what a compile fused, recognized and refused, rewrote, generated, runs
 and keeps in memory, as plain dataclasses any stage may write (it imports nothing of the stages).
-Its text is `text.render`'s."""
+The protocols name what it holds of the values other stages write (kernel files, costs, memory
+plans) without importing them. Its text is `text.render`'s."""
 
 from __future__ import annotations
 
@@ -10,15 +11,53 @@ import threading
 from collections import Counter
 from collections.abc import Hashable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
-from seqcompile.report.text import (
-    KernelFile,
-    RecomputeSummary,
-    StepSummary,
-    WorkSummary,
-    render,
-)
 from seqcompile.run.copies import counting_copies
+
+
+class KernelFile(Protocol):
+    """A generated kernel's file (`codegen.KernelSource`)."""
+
+    name: str
+    template: str
+    key: tuple
+    path: Path
+
+
+class WorkSummary(Protocol):
+    """FLOPs and bytes moved (`memory.cost.NodeCost`)."""
+
+    flops: float
+    moved_bytes: int
+
+
+class StepSummary(Protocol):
+    """What a step keeps and its peak (`memory.liveness.StepMemory`)."""
+
+    kept_tensors: int
+    kept_bytes: int
+    kept_fused_bytes: int
+    recomputed_bytes: int
+    peak_bytes: int
+    peak_node: str
+    parameter_bytes: int
+    gradient_bytes: int
+    input_bytes: int
+
+
+class RecomputeSummary(Protocol):
+    """What a memory budget made the planner recompute (`memory.budget.RecomputePlan`)."""
+
+    budget: Any
+    cheap_only: bool
+    reachable: bool
+    recomputed: Any
+    target_bytes: int
+    baseline_bytes: int
+    planned_bytes: int
+    seconds: float
+    cost: WorkSummary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +220,6 @@ class CompileReport:
         self.variants.extend(other.variants)
         self.sites.extend(other.sites)
         self.implementations.extend(other.implementations)
-
-    def __str__(self) -> str:
-        return render(self)
 
 
 _collectors = threading.local()

@@ -1,58 +1,15 @@
-"""The report's text: `render` writes a `CompileReport` (its fields read by name, so this module
-imports nothing of the package) as the readable table `str(report)` gives; the protocols name
-what it reads of the values other stages put in the report."""
+"""The report's text: `render` writes a `CompileReport` as the readable table `str(report)` gives
+(the package's face makes it the report's `__str__`). It stands above the report's data and
+imports nothing of the stages."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from seqcompile.report.data import CompileReport, KernelFile, RecomputeSummary
 
 
-class KernelFile(Protocol):
-    """A generated kernel's file (`codegen.KernelSource`)."""
-
-    name: str
-    template: str
-    key: tuple
-    path: Path
-
-
-class WorkSummary(Protocol):
-    """FLOPs and bytes moved (`memory.cost.NodeCost`)."""
-
-    flops: float
-    moved_bytes: int
-
-
-class StepSummary(Protocol):
-    """What a step keeps and its peak (`memory.liveness.StepMemory`)."""
-
-    kept_tensors: int
-    kept_bytes: int
-    kept_fused_bytes: int
-    recomputed_bytes: int
-    peak_bytes: int
-    peak_node: str
-    parameter_bytes: int
-    gradient_bytes: int
-    input_bytes: int
-
-
-class RecomputeSummary(Protocol):
-    """What a memory budget made the planner recompute (`memory.budget.RecomputePlan`)."""
-
-    budget: Any
-    cheap_only: bool
-    reachable: bool
-    recomputed: Any
-    target_bytes: int
-    baseline_bytes: int
-    planned_bytes: int
-    seconds: float
-    cost: WorkSummary
-
-
-def render(report: Any) -> str:
+def render(report: CompileReport) -> str:
     """The `CompileReport` as text: fused sites per family, what was recognized but not fused,
     rewritten or refuted, the kernels, what each call runs, backward variants, copies, the memory
     of the step and what each operator keeps, and what `verify` found."""
